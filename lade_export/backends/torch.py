@@ -1,0 +1,63 @@
+"""PyTorch engine: runs :class:`lade_export.graph.DecoderStep` directly.
+
+It is the reference for parity checks and the backend for a GPU machine without
+TensorRT (``device="cuda"``, ``dtype=torch.float16``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import BackendUnavailableError
+from ..graph import DecoderStep
+from ..specs import past_key_name, past_value_name, present_key_name, present_value_name
+
+
+class TorchEngine:
+    """Runs the step module with PyTorch.
+
+    Args:
+        hf_model: a transformers LLaMA causal LM.
+        device: ``"cpu"`` or ``"cuda"``.
+        dtype: compute dtype (``torch.float32`` or ``torch.float16``/``bfloat16`` on a GPU).
+        threads: ``torch.set_num_threads`` value (None leaves it).
+
+    Raises:
+        BackendUnavailableError: ``device="cuda"`` without a CUDA device.
+    """
+
+    name = "torch"
+
+    def __init__(self, hf_model, device: str = "cpu", dtype=torch.float32, threads: int | None = None):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendUnavailableError("--device cuda asked for, but PyTorch sees no CUDA device")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.step_module = DecoderStep(hf_model).to(self.device, dtype).eval()
+        self.dims = self.step_module.dims
+        self._names = ["logits", "next_token_ids"]
+        for i in range(self.dims.num_layers):
+            self._names += [present_key_name(i), present_value_name(i)]
+
+    def run(self, feeds: dict, with_logits: bool = False) -> dict:
+        """Same contract as :meth:`lade_export.backends.onnxruntime.OrtEngine.run`."""
+        dev = self.device
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        past = []
+        for i in range(self.dims.num_layers):
+            past += [t(feeds[past_key_name(i)]).to(self.dtype), t(feeds[past_value_name(i)]).to(self.dtype)]
+        with torch.inference_mode():
+            outs = self.step_module(t(feeds["input_ids"]), t(feeds["position_ids"]), t(feeds["attention_mask"]),
+                                    t(feeds["logits_positions"]), *past)
+        result = {}
+        for name, out in zip(self._names, outs):
+            if name == "logits" and not with_logits:
+                continue
+            result[name] = out.float().cpu().numpy() if out.is_floating_point() else out.cpu().numpy()
+        return result
+
+    def close(self) -> None:
+        self.step_module = None

@@ -1,0 +1,41 @@
+"""Typed errors of lade-export.
+
+Every error a user can cause derives from :class:`LadeError`; the CLI prints its
+message as one line and exits with status 2 (1 for a failed check such as a parity or
+exactness mismatch). The message is written for the user: it names what was wrong and,
+where there is one, what to do.
+"""
+
+from __future__ import annotations
+
+
+class LadeError(Exception):
+    """Base class of every user-facing error. ``str(err)`` is a one-line message."""
+
+    exit_code = 2
+
+
+class ModelSourceError(LadeError):
+    """The ``--model`` source cannot be resolved or loaded (missing path, not LLaMA, offline hub id, corrupt weights)."""
+
+
+class ProfileError(LadeError):
+    """A lookahead profile is invalid (missing file, TOML syntax, unknown key, out-of-range value)."""
+
+
+class ArtifactError(LadeError):
+    """An artifact directory is missing, incomplete, from another schema version, or fails its checksums."""
+
+
+class GenerationError(LadeError):
+    """A generation request cannot be served (empty prompt without BOS, context exceeded, bad max-new-tokens)."""
+
+
+class BackendUnavailableError(LadeError):
+    """An optional backend (TensorRT, CUDA) is not installed or has no device to run on."""
+
+
+class CheckFailedError(LadeError):
+    """A numerical check failed: parity beyond tolerance, or lookahead output differing from greedy."""
+
+    exit_code = 1

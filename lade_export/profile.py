@@ -1,0 +1,194 @@
+"""Lookahead profiles: the validated (W, N, G) value and its TOML files.
+
+A profile names the three knobs of lookahead decoding (Fu, Bailis, Stoica, Zhang,
+"Break the Sequential Dependency of LLM Inference Using Lookahead Decoding",
+arXiv 2402.02057):
+
+* ``W`` (window) — lookahead window width: positions decoded in parallel per level;
+* ``N`` (ngram) — n-gram size; the window keeps N−1 Jacobi levels and every
+  verification candidate holds N−1 tokens;
+* ``G`` (guesses) — at most G candidates in the verification branch per step.
+
+One decode step then feeds ``1 + W·(N−1) + G·(N−1)`` tokens: the last accepted
+token, the W×(N−1) window and up to G candidates of N−1 tokens. ``W = 0`` or ``N = 1``
+is not a lookahead profile; plain greedy decoding is its own mode.
+
+TOML layout (``profiles/default.toml``)::
+
+    name = "default"          # optional, defaults to the file stem
+    description = "..."       # optional
+    [lookahead]
+    window = 5                # W ≥ 1
+    ngram = 4                 # N ≥ 2
+    guesses = 5               # G ≥ 0
+    seed_pool_from_prompt = true   # optional
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+from .errors import ProfileError
+
+_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "seed_pool_from_prompt"}
+_TOP_KEYS = {"name", "description", "lookahead"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LookaheadProfile:
+    """A validated lookahead configuration (W, N, G).
+
+    Attributes:
+        window: W, lookahead window width (≥ 1).
+        ngram: N, n-gram size (≥ 2); the window has N−1 levels.
+        guesses: G, maximum verification candidates per step (≥ 0).
+        name: a short label used in manifests, engine file names and reports.
+        seed_pool_from_prompt: whether the n-gram pool starts with the prompt's own n-grams.
+
+    Raises:
+        ProfileError: on construction, if a value is not an int or out of range.
+    """
+
+    window: int
+    ngram: int
+    guesses: int
+    name: str = "custom"
+    seed_pool_from_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        for key, low in (("window", 1), ("ngram", 2), ("guesses", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ProfileError(f"profile {self.name!r}: {key} must be an integer, got {value!r}")
+            if value < low:
+                letter = {"window": "W", "ngram": "N", "guesses": "G"}[key]
+                raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
+        if not isinstance(self.seed_pool_from_prompt, bool):
+            raise ProfileError(
+                f"profile {self.name!r}: seed_pool_from_prompt must be true or false, got {self.seed_pool_from_prompt!r}"
+            )
+
+    @property
+    def levels(self) -> int:
+        """N − 1: Jacobi levels in the window, and tokens per verification candidate."""
+        return self.ngram - 1
+
+    @property
+    def max_step(self) -> int:
+        """Largest decode-step length in tokens: 1 + W·(N−1) + G·(N−1)."""
+        return 1 + (self.window + self.guesses) * self.levels
+
+    @property
+    def max_logit_rows(self) -> int:
+        """Rows of logits a decode step reads: the last token, the W last-level window
+        positions and every candidate token, 1 + W + G·(N−1)."""
+        return 1 + self.window + self.guesses * self.levels
+
+    def as_dict(self) -> dict:
+        """Plain-dict form for manifests and reports (includes the derived ``max_step``)."""
+        return {
+            "name": self.name,
+            "window": self.window,
+            "ngram": self.ngram,
+            "guesses": self.guesses,
+            "seed_pool_from_prompt": self.seed_pool_from_prompt,
+            "max_step": self.max_step,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, name: str = "custom") -> "LookaheadProfile":
+        """Inverse of :meth:`as_dict` (``max_step`` is ignored, it is derived).
+
+        Raises:
+            ProfileError: a key is missing or a value is invalid.
+        """
+        try:
+            return cls(
+                window=data["window"],
+                ngram=data["ngram"],
+                guesses=data["guesses"],
+                name=data.get("name", name),
+                seed_pool_from_prompt=data.get("seed_pool_from_prompt", True),
+            )
+        except KeyError as err:
+            raise ProfileError(f"profile {name!r}: missing key {err.args[0]!r}") from None
+
+    def to_toml(self, description: str = "", comments: str = "") -> str:
+        """Render as TOML text that :func:`load_profile` reads back to an equal profile.
+
+        ``comments`` lines are emitted as ``#`` comments at the top (measurements, provenance).
+        """
+        lines = [f"# {line}" if line else "#" for line in comments.splitlines()]
+        lines.append(f'name = "{self.name}"')
+        if description:
+            lines.append(f'description = "{description}"')
+        lines += [
+            "",
+            "[lookahead]",
+            f"window = {self.window}     # W: lookahead window width",
+            f"ngram = {self.ngram}      # N: n-gram size (N-1 Jacobi levels)",
+            f"guesses = {self.guesses}    # G: verification candidates per step",
+            f"seed_pool_from_prompt = {'true' if self.seed_pool_from_prompt else 'false'}",
+            f"# max step = 1 + (W + G)*(N - 1) = {self.max_step} tokens",
+            "",
+        ]
+        return "\n".join(lines)
+
+
+def load_profile(path: str | Path) -> LookaheadProfile:
+    """Read and validate a profile TOML file.
+
+    Raises:
+        ProfileError: file missing or unreadable, TOML syntax error (with line and column),
+            unknown keys, missing keys, or invalid values.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ProfileError(f"cannot read profile {path}: {err}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ProfileError(f"{path}: TOML syntax error: {err}") from None
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ProfileError(f"{path}: unknown key(s) {', '.join(unknown)}; expected name, description, [lookahead]")
+    section = data.get("lookahead")
+    if not isinstance(section, dict):
+        raise ProfileError(f"{path}: missing [lookahead] table with window, ngram, guesses")
+    unknown = sorted(set(section) - _LOOKAHEAD_KEYS)
+    if unknown:
+        raise ProfileError(
+            f"{path}: unknown key(s) in [lookahead]: {', '.join(unknown)}; expected {', '.join(sorted(_LOOKAHEAD_KEYS))}"
+        )
+    name = data.get("name", path.stem)
+    try:
+        return LookaheadProfile.from_dict(section, name=str(name))
+    except ProfileError as err:
+        raise ProfileError(f"{path}: {err}") from None
+
+
+def resolve_profile(value: str | Path) -> LookaheadProfile:
+    """Accept a TOML path, or the name of a file in the project's ``profiles/`` folder
+    (``default`` → ``profiles/default.toml``), or an inline ``W,N,G`` triple.
+
+    Raises:
+        ProfileError: nothing matches, or the profile is invalid.
+    """
+    text = str(value)
+    path = Path(text)
+    if path.is_file():
+        return load_profile(path)
+    bundled = Path(__file__).resolve().parent.parent / "profiles" / f"{text}.toml"
+    if bundled.is_file():
+        return load_profile(bundled)
+    parts = text.split(",")
+    if len(parts) == 3 and all(p.strip().lstrip("-").isdigit() for p in parts):
+        w, n, g = (int(p) for p in parts)
+        return LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}")
+    raise ProfileError(f"profile file not found: {text} (give a TOML path, a name under profiles/, or W,N,G)")

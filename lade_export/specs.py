@@ -1,0 +1,106 @@
+"""The step graph's I/O contract, declared once.
+
+Names, symbolic shapes and dtypes of every input and output of the exported decoder
+step. The exporter's dynamic axes, the manifest, the TensorRT optimization profiles and
+the runtime feeds are all derived from :func:`step_io_specs`.
+
+Shape symbols:
+    batch     — sequences in the batch
+    step      — tokens fed in this forward pass (prompt length for prefill, 1 for a
+                greedy step, up to 1 + (W+G)·(N−1) for a lookahead step)
+    past      — tokens already in the KV cache
+    past+step — key length seen by attention (``total``)
+    n_logits  — positions whose logits are computed (``logits_positions``)
+
+Mask convention: ``attention_mask`` is **boolean**, ``True`` where query row i may
+attend key column j. Columns ``[0, past)`` are the cached tokens, ``[past, past+step)``
+the tokens of this step in feed order. Every row must allow at least one column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One named graph tensor.
+
+    Attributes:
+        name: the ONNX tensor name.
+        shape: symbolic dims; ``str`` entries are dynamic axes, ``int`` entries fixed.
+        dtype: numpy dtype name (``int64``, ``bool``, ``float32``, ``float16``).
+        doc: what it holds.
+    """
+
+    name: str
+    shape: tuple
+    dtype: str
+    doc: str
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "doc": self.doc}
+
+
+def past_key_name(layer: int) -> str:
+    return f"past_key_values.{layer}.key"
+
+
+def past_value_name(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key_name(layer: int) -> str:
+    return f"present.{layer}.key"
+
+
+def present_value_name(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, float_dtype: str = "float32"):
+    """Return ``(inputs, outputs)``: lists of :class:`TensorSpec` for the decoder step.
+
+    Args:
+        num_layers: decoder layers (one past/present key and value pair each).
+        kv_heads: key/value heads (grouped-query attention when < query heads).
+        head_dim: per-head width.
+        vocab: vocabulary size (last dim of ``logits``).
+        float_dtype: dtype of the KV cache and logits.
+    """
+    inputs = [
+        TensorSpec("input_ids", ("batch", "step"), "int64", "token ids of this step, in feed order"),
+        TensorSpec("position_ids", ("batch", "step"), "int64", "RoPE position of each fed token (need not be contiguous)"),
+        TensorSpec(
+            "attention_mask",
+            ("batch", 1, "step", "past+step"),
+            "bool",
+            "True where row i may attend column j; columns are [cache | this step]",
+        ),
+        TensorSpec(
+            "logits_positions",
+            ("batch", "n_logits"),
+            "int64",
+            "indices into the step axis whose logits are computed (the LM head runs only there)",
+        ),
+    ]
+    for i in range(num_layers):
+        for name in (past_key_name(i), past_value_name(i)):
+            inputs.append(
+                TensorSpec(name, ("batch", kv_heads, "past", head_dim), float_dtype, f"layer {i} cached keys/values (RoPE applied)")
+            )
+    outputs = [
+        TensorSpec("logits", ("batch", "n_logits", vocab), float_dtype, "next-token logits at logits_positions"),
+        TensorSpec("next_token_ids", ("batch", "n_logits"), "int64", "argmax of logits (greedy choice)"),
+    ]
+    for i in range(num_layers):
+        for name in (present_key_name(i), present_value_name(i)):
+            outputs.append(
+                TensorSpec(name, ("batch", kv_heads, "step", head_dim), float_dtype, f"layer {i} keys/values of this step only")
+            )
+    return inputs, outputs
+
+
+def dynamic_axes(specs) -> dict:
+    """Exporter ``dynamic_axes`` mapping {name: {axis: symbol}} from specs."""
+    return {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in specs}
