@@ -228,6 +228,9 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
             dynamo=False,
         )
     model = onnx.load(str(tmp))
+    if d.tied_embeddings:
+        _retie_embeddings(model)
+    _stamp_io_shapes(model, inputs + outputs)
     onnx.helper.set_model_props(model, {k: str(v) for k, v in d.as_dict().items()})
     nbytes = sum(p.numel() * p.element_size() for p in step_module.parameters())
     external = nbytes > external_data_threshold_bytes
@@ -241,6 +244,49 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
         leftover.unlink()
     onnx.checker.check_model(str(path), full_check=True)
     return path
+
+
+def _stamp_io_shapes(model, specs) -> None:
+    """Write the declared symbolic/fixed dims of every graph input and output (the
+    exporter leaves generated names such as ``Addpresent.0.key_dim_3`` on some outputs)."""
+    by_name = {s.name: s for s in specs}
+    for value in list(model.graph.input) + list(model.graph.output):
+        spec = by_name.get(value.name)
+        if spec is None:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        del dims[:]
+        for sym in spec.shape:
+            dim = dims.add()
+            if isinstance(sym, str):
+                dim.dim_param = sym
+            else:
+                dim.dim_value = sym
+
+
+def _retie_embeddings(model) -> None:
+    """Keep tied embeddings tied in the ONNX file.
+
+    Constant folding turns the LM head's ``embed_tokens.weight`` transpose into a second
+    [hidden, vocab] initializer, doubling the largest tensor on disk. Replace that
+    initializer by a ``Transpose`` node of the embedding (ONNX Runtime folds it once at
+    session creation).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    embed = inits.get("embed_tokens.weight")
+    if embed is None:
+        return
+    vocab, hidden = embed.dims
+    embed_arr = numpy_helper.to_array(embed)
+    for init in list(model.graph.initializer):
+        if list(init.dims) == [hidden, vocab] and np.array_equal(numpy_helper.to_array(init), embed_arr.T):
+            model.graph.initializer.remove(init)
+            node = onnx.helper.make_node("Transpose", ["embed_tokens.weight"], [init.name], perm=[1, 0],
+                                         name="lm_head_tied_transpose")
+            model.graph.node.insert(0, node)
 
 
 @dataclasses.dataclass
@@ -283,7 +329,10 @@ def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[t
     }
     cases.append(("prefill", step_prefill))
     if profile is not None:
-        state = LookaheadState(profile, dims.vocab, prompt_ids=list(prompt_ids[:-1]) )
+        state = LookaheadState(profile, dims.vocab, prompt_ids=list(prompt_ids[:-1]))
+        # Fill the verification branch for the last token, so all three parts are fed.
+        for g in range(profile.guesses):
+            state.pool.insert(int(ids[-1]), np.roll(ids, g + 1)[: profile.levels])
         layout = state.build_step(last_token=int(ids[-1]), past_len=p - 1)
         cases.append((f"lookahead W{profile.window} N{profile.ngram} G{profile.guesses}", layout.feeds(batch=1)))
     cases.append(("greedy", {

@@ -1,0 +1,194 @@
+"""Artifact directories: what ``lade-export build`` writes, and how it is read back.
+
+Layout of ``DIR``::
+
+    manifest.json         the contract (schema in docs/manifest.md)
+    model.onnx            the decoder-step graph
+    model.onnx.data       its weights, when large (external data)
+    tokenizer/            tokenizer files (tokenizer.json, tokenizer_config.json, chat template)
+    engines/NAME.plan     TensorRT engines, one per profile (optional)
+
+Writes are atomic: a build fills a hidden temporary sibling of ``DIR`` and renames it
+into place only when everything succeeded; an interrupted build (exception, SIGINT,
+SIGTERM) removes the temporary directory, so ``DIR`` is either the previous complete
+build or absent. A lock file beside ``DIR`` makes a second concurrent build into the
+same ``DIR`` fail at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from .errors import ArtifactError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entries(root: Path, names) -> dict:
+    """{relative name: {"sha256", "bytes"}} for files under ``root``."""
+    return {n: {"sha256": sha256_file(root / n), "bytes": (root / n).stat().st_size} for n in names}
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON to ``path`` via a temporary file in the same directory and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread on SIGTERM so cleanup code runs."""
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | Path, force: bool = False):
+    """Yield a temporary directory that becomes ``out`` when the block succeeds.
+
+    Args:
+        out: final directory path.
+        force: replace an existing ``out`` (only after the new build completed).
+
+    Raises:
+        ArtifactError: ``out`` exists and ``force`` is false, or another build holds the
+            lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
+            temporary directory is removed and ``out`` is left as it was.
+    """
+    out = Path(out).resolve()
+    if out.exists() and not force:
+        raise ArtifactError(f"{out} already exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise ArtifactError(f"parent directory of --out does not exist: {out.parent}")
+    lock_path = out.parent / f".{out.name}.lock"
+    lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise ArtifactError(f"another build into {out} is in progress") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        if out.exists():
+            if not force:
+                raise ArtifactError(f"{out} appeared during the build; pass --force to replace it")
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "prev")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except _Terminated:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KeyboardInterrupt("terminated") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(lock_fd)
+
+
+class Artifact:
+    """A built artifact directory, validated on open.
+
+    Args:
+        root: the directory.
+        verify: check every file's sha256 against the manifest.
+
+    Raises:
+        ArtifactError: directory or ``manifest.json`` missing, unreadable JSON, a
+            ``schema_version`` other than :data:`SCHEMA_VERSION`, a listed file missing,
+            or (with ``verify``) a checksum mismatch naming the file.
+    """
+
+    def __init__(self, root: str | Path, verify: bool = True):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ArtifactError(f"artifact directory not found: {self.root}")
+        path = self.root / MANIFEST
+        if not path.is_file():
+            raise ArtifactError(f"{self.root} has no {MANIFEST}: not a lade-export build (run lade-export build)")
+        try:
+            self.manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ArtifactError(f"{path}: unreadable manifest: {err}") from None
+        version = self.manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ArtifactError(
+                f"{path}: schema_version {version!r} is not supported by this lade-export (expects {SCHEMA_VERSION}); "
+                "rebuild with lade-export build"
+            )
+        if verify:
+            self.verify_checksums()
+
+    def verify_checksums(self) -> None:
+        """Raise :class:`ArtifactError` naming the first missing or mismatching file."""
+        for name, entry in self.manifest.get("files", {}).items():
+            f = self.root / name
+            if not f.is_file():
+                raise ArtifactError(f"{f} is listed in the manifest but missing")
+            if sha256_file(f) != entry["sha256"]:
+                raise ArtifactError(f"checksum mismatch for {name}: the file differs from the manifest; rebuild the artifact")
+
+    @property
+    def onnx_path(self) -> Path:
+        return self.root / self.manifest["graph"]["file"]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.manifest["model"]["stop_token_ids"])
+
+    @property
+    def max_context(self) -> int:
+        return int(self.manifest["model"]["dims"]["max_context"])
+
+    def tokenizer(self):
+        """The saved tokenizer (transformers ``AutoTokenizer``)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.root / "tokenizer")
+
+    def profiles(self):
+        """Profiles recorded at build time, as :class:`LookaheadProfile` values."""
+        from .profile import LookaheadProfile
+
+        return [LookaheadProfile.from_dict(p, name=p.get("name", "custom")) for p in self.manifest.get("profiles", [])]

@@ -1,0 +1,142 @@
+"""The build pipeline: load → export → parity check → tokenizer → manifest, atomically."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+from pathlib import Path
+
+from . import __version__
+from .artifact import SCHEMA_VERSION, atomic_directory, file_entries, write_json_atomic
+from .errors import CheckFailedError, ProfileError
+from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
+from .model_source import load_model
+from .specs import step_io_specs
+
+PARITY_PROMPT = "Once upon a time, a curious engineer wanted to make a small language model decode faster."
+
+
+def _versions() -> dict:
+    import onnx
+    import onnxruntime
+    import torch
+    import transformers
+
+    return {
+        "lade_export": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def parity_prompt_ids(tokenizer, chat: bool) -> list[int]:
+    """Token ids of the fixed real prompt used for the build's parity check."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PARITY_PROMPT}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(PARITY_PROMPT).input_ids)
+
+
+def check_profiles_fit(profiles, max_context: int) -> None:
+    """Raise :class:`ProfileError` if a profile's largest step exceeds the model's context."""
+    for p in profiles:
+        if p.max_step >= max_context:
+            raise ProfileError(
+                f"profile {p.name!r}: its largest step ({p.max_step} tokens) does not fit the model's context "
+                f"of {max_context} tokens"
+            )
+
+
+def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,
+                   threads: int | None = None, loaded=None) -> dict:
+    """Build an artifact directory (see :mod:`lade_export.artifact`) and return its manifest.
+
+    Args:
+        source: ``--model`` value (see :mod:`lade_export.model_source`).
+        profiles: lookahead profiles to record (their shapes bound the engines).
+        out: destination directory (written atomically).
+        force: replace an existing ``out`` once the new build succeeded.
+        status: optional callable ``status(message)`` for progress display.
+        threads: ONNX Runtime threads for the parity check.
+        loaded: an already loaded :class:`~lade_export.model_source.LoadedModel` for
+            ``source`` (skips loading; used by tests and tools that hold the model).
+
+    Raises:
+        ModelSourceError, ProfileError, ArtifactError: bad inputs (nothing written).
+        CheckFailedError: ONNX-vs-PyTorch parity beyond the float32 bounds (nothing written).
+    """
+    say = status or (lambda msg: None)
+    with atomic_directory(out, force=force) as tmp:
+        t0 = time.perf_counter()
+        say(f"loading {source}")
+        loaded = loaded or load_model(source)
+        step = DecoderStep(loaded.model).eval()
+        dims = step.dims
+        check_profiles_fit(profiles, dims.max_context)
+        load_s = time.perf_counter() - t0
+        say("exporting the decoder step to ONNX")
+        t1 = time.perf_counter()
+        onnx_path = export_onnx(step, tmp / "model.onnx")
+        export_s = time.perf_counter() - t1
+        say("checking ONNX Runtime against PyTorch")
+        chat = bool(getattr(loaded.tokenizer, "chat_template", None))
+        prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)
+        cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, threads=threads)
+        bad = [c for c in cases if not c.ok()]
+        if bad:
+            c = bad[0]
+            raise CheckFailedError(
+                f"parity check failed at {c.label} (step {c.step}, past {c.past}): max |Δlogit| {c.max_abs:.3g}, "
+                f"relative {c.rel:.3g}, argmax equal {c.argmax_equal}, KV max |Δ| {c.kv_max_abs:.3g}"
+            )
+        say("saving tokenizer and manifest")
+        loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+        inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
+        names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        tok = loaded.tokenizer
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(),
+            "source": {"model": source, "kind": loaded.kind},
+            "model": {
+                "architecture": "llama",
+                "dims": dims.as_dict(),
+                "stop_token_ids": loaded.stop_token_ids,
+                "bos_token_id": tok.bos_token_id,
+                "eos_token_id": tok.eos_token_id,
+                "pad_token_id": tok.pad_token_id,
+                "chat_template": chat,
+            },
+            "graph": {
+                "file": "model.onnx",
+                "external_data": "model.onnx.data" if (tmp / "model.onnx.data").exists() else None,
+                "opset": 17,
+                "mask": "bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
+                "kv_layout": "[batch, kv_heads, seq, head_dim], float32, RoPE applied to keys; present.* = this step only",
+                "inputs": [s.as_dict() for s in inputs],
+                "outputs": [s.as_dict() for s in outputs],
+            },
+            "tokenizer": {"dir": "tokenizer", "files": sorted(n for n in names if n.startswith("tokenizer/"))},
+            "profiles": [p.as_dict() for p in profiles],
+            "parity": {
+                "bounds": {"max_abs": PARITY_MAX_ABS, "max_rel": PARITY_MAX_REL},
+                "prompt_tokens": len(prompt_ids),
+                "cases": [
+                    {"label": c.label, "step": c.step, "past": c.past, "max_abs": c.max_abs, "max_logit": c.max_logit,
+                     "rel": c.rel, "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs}
+                    for c in cases
+                ],
+            },
+            "timings_s": {"load": round(load_s, 2), "export": round(export_s, 2)},
+            "engines": [],
+            "files": file_entries(tmp, names),
+        }
+        write_json_atomic(tmp / "manifest.json", manifest)
+        say("done")
+    return manifest

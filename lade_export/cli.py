@@ -1,0 +1,269 @@
+"""The ``lade-export`` command line.
+
+Every user error ends in one line on stderr (``error: …``) and a non-zero exit status:
+2 for bad input, 1 for a failed check (parity, exactness), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import GenerationError, LadeError
+from .profile import resolve_profile
+
+
+class _Group(click.Group):
+    """Turns typed errors and interrupts into one-line messages and exit codes."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LadeError as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(err.exit_code)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted; nothing was written", err=True)
+            sys.exit(130)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="lade-export")
+def main():
+    """Export LLaMA decoder steps for exact lookahead decoding, build engines, generate, compare."""
+
+
+def _profiles(values) -> list:
+    return [resolve_profile(v) for v in (values or ("default",))]
+
+
+@main.command()
+@click.option("--model", "source", default="smollm2-135m-instruct", show_default=True,
+              help="HF directory, .gguf file, hub id, or smollm2-135m-instruct.")
+@click.option("--profile", "profile_values", multiple=True,
+              help="Profile TOML, name under profiles/, or W,N,G (repeatable; default: default).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime threads for the parity check.")
+def build(source, profile_values, out, force, threads):
+    """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR."""
+    profiles = _profiles(profile_values)
+    from .build import build_artifact
+
+    console = _console()
+    with console.status("starting") as status:
+        manifest = build_artifact(source, profiles, out, force=force, threads=threads,
+                                  status=lambda m: status.update(f"[bold]{m}…"))
+    worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
+    console.print(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
+                  f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
+                  f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})")
+
+
+@main.command()
+@click.option("--model", "source", default="smollm2-135m-instruct", show_default=True)
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
+@click.option("--force", is_flag=True)
+def export(source, out, force):
+    """Export and parity-check the step graph only (a build with the default profile)."""
+    from .build import build_artifact
+
+    manifest = build_artifact(source, _profiles(None), out, force=force)
+    click.echo(f"exported {out / manifest['graph']['file']}")
+
+
+def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
+    if prompt_from is not None:
+        from .datasets import load_prompts
+
+        name, _, index = prompt_from.rpartition(":")
+        if not name or not index.isdigit():
+            raise GenerationError(f"--prompt-from wants DATASET:INDEX (e.g. mt_bench:0), got {prompt_from!r}")
+        prompts = load_prompts(name, limit=int(index) + 1, chat=chat)
+        if len(prompts) <= int(index):
+            raise GenerationError(f"{name} has only {len(prompts)} prompts; index {index} is out of range")
+        return prompts[int(index)].text
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise GenerationError(f"prompt file not found: {prompt_file}") from None
+        except UnicodeDecodeError as err:
+            raise GenerationError(f"prompt file {prompt_file} is not UTF-8 text (byte {err.start})") from None
+    if prompt is None:
+        raise GenerationError("give --prompt TEXT, --prompt-file PATH or --prompt-from DATASET:INDEX")
+    return prompt
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Prompt token ids: the chat template with one user turn (``chat``) or plain text.
+
+    An empty prompt becomes the BOS token alone when the tokenizer has one.
+
+    Raises:
+        GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
+    """
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise GenerationError("--chat given, but this model's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return list(ids)
+    ids = list(tokenizer(text).input_ids) if text else []
+    if not ids:
+        if tokenizer.bos_token_id is None:
+            raise GenerationError("empty prompt and this tokenizer has no BOS token: nothing to condition on")
+        ids = [tokenizer.bos_token_id]
+    return ids
+
+
+def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float32"):
+    """Engine for ``artifact`` by backend name (``ort``, ``torch``, ``tensorrt``)."""
+    if backend == "ort":
+        from .backends.onnxruntime import OrtEngine
+
+        return OrtEngine(artifact.onnx_path, threads=threads, provider="cuda" if device == "cuda" else "cpu")
+    if backend == "torch":
+        import torch
+
+        from .backends.torch import TorchEngine
+        from .model_source import load_model
+
+        loaded = load_model(artifact.manifest["source"]["model"])
+        return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)
+    from .backends.tensorrt import TensorRTEngine
+
+    return TensorRTEngine(artifact, device=device)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from a UTF-8 file.")
+@click.option("--prompt-from", default=None, metavar="DATASET:INDEX",
+              help="Take the prompt from a workload, e.g. mt_bench:0, humaneval:3, gsm8k:10.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--greedy", is_flag=True, help="Plain greedy decoding (no lookahead).")
+@click.option("--profile", "profile_value", default=None, help="Lookahead profile (default: the build's first).")
+@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
+              help="Compute dtype of the torch backend.")
+@click.option("--threads", type=int, default=None, help="Engine threads (default: one per core).")
+@click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
+def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, profile_value, backend, device, dtype,
+             threads, check_greedy):
+    """Generate from a built artifact with lookahead (or --greedy) decoding, streaming the text."""
+    from .artifact import Artifact
+    from .runtime import Decoder
+
+    text = _read_prompt(prompt, prompt_file, prompt_from, chat)
+    if max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    artifact = Artifact(artifact_dir)
+    tokenizer = artifact.tokenizer()
+    ids = encode_prompt(tokenizer, text, chat)
+    if len(ids) + max_new_tokens > artifact.max_context:
+        raise GenerationError(
+            f"prompt ({len(ids)} tokens) + --max-new-tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
+            f"exceeds the model's context of {artifact.max_context} tokens"
+        )
+    profile = None
+    if not greedy:
+        built = artifact.profiles()
+        profile = resolve_profile(profile_value) if profile_value else (built[0] if built else resolve_profile("default"))
+    engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
+    decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
+
+    shown = {"ids": [], "text": ""}
+
+    def stream(tokens):
+        shown["ids"] += tokens
+        full = tokenizer.decode(shown["ids"], skip_special_tokens=True)
+        if full.startswith(shown["text"]):
+            sys.stdout.write(full[len(shown["text"]):])
+            sys.stdout.flush()
+            shown["text"] = full
+
+    result = decoder.generate(ids, max_new_tokens, profile, on_tokens=stream)
+    sys.stdout.write("\n")
+    mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses})" if profile else "greedy"
+    click.echo(f"[{mode}] {result.stats.line()}", err=False)
+    if check_greedy and profile is not None:
+        base = decoder.generate(ids, max_new_tokens, None)
+        same = base.token_ids == result.token_ids
+        speedup = base.stats.decode_s / result.stats.decode_s if result.stats.decode_s else 0.0
+        click.echo(f"[greedy] {base.stats.line()}")
+        click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x")
+        if not same:
+            sys.exit(1)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
+def inspect(artifact_dir, as_json):
+    """Print an artifact's manifest in a readable form."""
+    import json
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .artifact import Artifact
+
+    m = Artifact(artifact_dir, verify=False).manifest
+    if as_json:
+        click.echo(json.dumps(m, indent=2))
+        return
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    d = m["model"]["dims"]
+    console.print(f"[bold]{artifact_dir}[/] · schema {m['schema_version']} · built {m['created']} from "
+                  f"{m['source']['model']} ({m['source']['kind']})")
+    console.print(f"model: {d['num_layers']} layers, {d['heads']} heads / {d['kv_heads']} kv heads × {d['head_dim']}, "
+                  f"hidden {d['hidden']}, vocab {d['vocab']}, context {d['max_context']}, tied embeddings "
+                  f"{d['tied_embeddings']}; stop ids {m['model']['stop_token_ids']}")
+    prof = Table(title="lookahead profiles")
+    for col in ("name", "W", "N", "G", "max step"):
+        prof.add_column(col)
+    for p in m["profiles"]:
+        prof.add_row(p["name"], str(p["window"]), str(p["ngram"]), str(p["guesses"]), str(p["max_step"]))
+    console.print(prof)
+    io = Table(title=f"graph {m['graph']['file']} (opset {m['graph']['opset']})")
+    for col in ("", "name", "shape", "dtype"):
+        io.add_column(col)
+    specs = [("in", s) for s in m["graph"]["inputs"]] + [("out", s) for s in m["graph"]["outputs"]]
+    shown = [x for x in specs if not x[1]["name"].startswith(("past_key_values.", "present."))]
+    for kind, s in shown:
+        io.add_row(kind, s["name"], escape("[" + ", ".join(map(str, s["shape"])) + "]"), s["dtype"])
+    io.add_row("in", f"past_key_values.{{0..{d['num_layers'] - 1}}}.key/.value",
+               escape(f"[batch, {d['kv_heads']}, past, {d['head_dim']}]"), "float32")
+    io.add_row("out", f"present.{{0..{d['num_layers'] - 1}}}.key/.value",
+               escape(f"[batch, {d['kv_heads']}, step, {d['head_dim']}]"), "float32")
+    console.print(io)
+    console.print(escape(f"mask: {m['graph']['mask']}"))
+    par = Table(title="parity (ONNX Runtime vs PyTorch)")
+    for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):
+        par.add_column(col)
+    for c in m["parity"]["cases"]:
+        par.add_row(c["label"], str(c["step"]), str(c["past"]), f"{c['max_abs']:.2e}", f"{c['rel']:.1e}",
+                    str(c["argmax_equal"]))
+    console.print(par)
+    for name, e in m["files"].items():
+        console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…")
+    for e in m.get("engines", []):
+        console.print(f"  engine {e['file']} ({e.get('precision')}, TensorRT {e.get('tensorrt_version')})")
+
+
+if __name__ == "__main__":
+    main()

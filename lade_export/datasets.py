@@ -1,0 +1,83 @@
+"""Prompt sets of the lookahead-decoding paper's workloads (MT-Bench, HumanEval, GSM8K).
+
+Read from ``../shared/datasets`` beside the checkout by default (override with the
+``LADE_DATASETS`` environment variable), or from any JSONL file with a ``prompt``,
+``question`` or ``turns`` field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+from pathlib import Path
+
+from .errors import GenerationError
+
+DATASET_FILES = {
+    "mt_bench": "mt_bench/question.jsonl",
+    "humaneval": "humaneval/HumanEval.jsonl.gz",
+    "gsm8k": "gsm8k/test.jsonl",
+}
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One workload prompt: its id, the user text, and the dataset it came from."""
+
+    id: str
+    text: str
+    dataset: str
+
+
+def datasets_root() -> Path:
+    """Folder holding the three datasets."""
+    env = os.environ.get("LADE_DATASETS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"
+
+
+def _records(path: Path):
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)
+
+
+def load_prompts(name: str, limit: int | None = None, chat: bool = True) -> list[Prompt]:
+    """Prompts of a named dataset (``mt_bench``, ``humaneval``, ``gsm8k``) or a JSONL path.
+
+    MT-Bench gives the first turn; GSM8K the question; HumanEval the code to complete,
+    prefixed for chat models with an instruction to complete the function.
+
+    Raises:
+        GenerationError: unknown name, missing file, or a record without a prompt field.
+    """
+    if name in DATASET_FILES:
+        path = datasets_root() / DATASET_FILES[name]
+        label = name
+    else:
+        path = Path(name)
+        label = path.stem
+    if not path.is_file():
+        raise GenerationError(f"dataset not found: {path} (use mt_bench, humaneval, gsm8k or a .jsonl path)")
+    prompts = []
+    for i, rec in enumerate(_records(path)):
+        if limit is not None and len(prompts) >= limit:
+            break
+        if "turns" in rec:
+            text, pid = rec["turns"][0], rec.get("question_id", i)
+        elif "task_id" in rec:
+            text, pid = (HUMANEVAL_INSTRUCTION + rec["prompt"]) if chat else rec["prompt"], rec["task_id"]
+        elif "question" in rec:
+            text, pid = rec["question"], rec.get("id", i)
+        elif "prompt" in rec:
+            text, pid = rec["prompt"], rec.get("id", i)
+        else:
+            raise GenerationError(f"{path} record {i}: no prompt, question or turns field")
+        prompts.append(Prompt(str(pid), text, label))
+    return prompts

@@ -1,0 +1,89 @@
+"""Shared fixtures: the real models in ../shared, built once per test session."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+DATASETS = SHARED / "datasets"
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    assert (STORIES / "config.json").is_file(), f"missing {STORIES}"
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def reference_greedy(stories_dir) -> dict:
+    return json.loads((stories_dir / "reference_greedy.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def stories_loaded(stories_dir):
+    from lade_export.model_source import load_model
+
+    return load_model(str(stories_dir))
+
+
+@pytest.fixture(scope="session")
+def stories_artifact(tmp_path_factory, stories_dir, stories_loaded) -> Path:
+    from lade_export.build import build_artifact
+    from lade_export.profile import resolve_profile
+
+    out = tmp_path_factory.mktemp("stories") / "artifact"
+    build_artifact(str(stories_dir), [resolve_profile("default"), resolve_profile("small")], out, loaded=stories_loaded)
+    return out
+
+
+@pytest.fixture(scope="session")
+def stories_decoder(stories_artifact):
+    from lade_export.artifact import Artifact
+    from lade_export.backends.onnxruntime import OrtEngine
+    from lade_export.runtime import Decoder
+
+    art = Artifact(stories_artifact)
+    return Decoder(OrtEngine(art.onnx_path), art.stop_token_ids, art.max_context, art.tokenizer())
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded():
+    from lade_export.model_source import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory, smollm2_loaded) -> Path:
+    from lade_export.build import build_artifact
+    from lade_export.profile import resolve_profile
+
+    out = tmp_path_factory.mktemp("smollm2") / "artifact"
+    build_artifact("smollm2-135m-instruct", [resolve_profile("default")], out, loaded=smollm2_loaded)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_decoder(smollm2_artifact):
+    from lade_export.artifact import Artifact
+    from lade_export.backends.onnxruntime import OrtEngine
+    from lade_export.runtime import Decoder
+
+    art = Artifact(smollm2_artifact)
+    return Decoder(OrtEngine(art.onnx_path), art.stop_token_ids, art.max_context, art.tokenizer())
+
+
+def mt_bench_prompts(n: int) -> list[str]:
+    lines = (DATASETS / "mt_bench" / "question.jsonl").read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines[:n]]
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    with gzip.open(DATASETS / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
+        return [json.loads(line)["prompt"] for line, _ in zip(fh, range(n))]

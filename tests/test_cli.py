@@ -1,0 +1,74 @@
+"""The CLI end to end on stories260K, and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=timeout)
+
+
+def one_line_error(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_build_nonexistent_model_fails_cleanly(tmp_path):
+    out = tmp_path / "x"
+    proc = run_cli("build", "--model", "/nonexistent", "--out", out)
+    assert proc.returncode == 2
+    assert one_line_error(proc) == "error: model path not found: /nonexistent"
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_build_non_llama_config_fails_cleanly(tmp_path):
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    out = tmp_path / "out"
+    proc = run_cli("build", "--model", src, "--out", out)
+    assert proc.returncode == 2
+    assert one_line_error(proc).startswith(f"error: {src}/config.json: model_type 'gpt2' is not supported")
+    assert not out.exists()
+    assert sorted(os.listdir(tmp_path)) == ["gpt2"]
+
+
+def test_build_inspect_generate_on_stories(tmp_path, stories_dir, reference_greedy):
+    out = tmp_path / "art"
+    proc = run_cli("build", "--model", stories_dir, "--profile", "small", "--profile", "default", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx", "tokenizer"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["profiles"]] == ["small", "default"]
+
+    proc = run_cli("inspect", out)
+    assert proc.returncode == 0
+    assert "past_key_values.{0..4}.key/.value" in proc.stdout and "[batch, 4, past, 8]" in proc.stdout
+
+    proc = run_cli("generate", out, "--prompt", "Once upon a time", "--max-new-tokens", "40", "--check-greedy")
+    assert proc.returncode == 0, proc.stderr
+    expected = reference_greedy["cases"][0]["text"][:60]
+    assert proc.stdout.startswith(expected)
+    assert "[lookahead small (W=2, N=3, G=2)] steps " in proc.stdout
+    assert "identical to greedy: yes" in proc.stdout
+
+    proc = run_cli("build", "--model", stories_dir, "--out", out)
+    assert proc.returncode == 2
+    assert one_line_error(proc) == f"error: {out} already exists; pass --force to replace it"
+
+
+def test_generate_on_missing_artifact(tmp_path):
+    proc = run_cli("generate", tmp_path, "--prompt", "hi")
+    assert proc.returncode == 2
+    assert one_line_error(proc) == f"error: {tmp_path} has no manifest.json: not a lade-export build (run lade-export build)"
