@@ -182,6 +182,10 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if not greedy:
         built = artifact.profiles()
         profile = resolve_profile(profile_value) if profile_value else (built[0] if built else resolve_profile("default"))
+    if profile is not None:
+        from .build import check_profiles_fit
+
+        check_profiles_fit([profile], artifact.max_context)
     engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
     decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
 

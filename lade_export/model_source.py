@@ -156,11 +156,36 @@ def _load_hf_dir(path: Path):
     return model, tokenizer
 
 
+def _hub_reachable() -> str | None:
+    """None when the hub's host resolves, else the reason (checked before any download,
+    so an offline machine gets an answer at once instead of minutes of retries)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        return f"{host}: {err.strerror or err}"
+    return None
+
+
 def _load_hub(repo_id: str):
+    import os
+
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    if not offline:
+        reason = _hub_reachable()
+        if reason:
+            raise ModelSourceError(
+                f"cannot reach the Hugging Face hub to fetch {repo_id!r} ({reason}); "
+                "pass a local model directory or .gguf file"
+            )
     try:
-        config = AutoConfig.from_pretrained(repo_id)
+        config = AutoConfig.from_pretrained(repo_id, local_files_only=offline)
     except Exception as err:  # network errors come in many types
         raise ModelSourceError(
             f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}); "
@@ -179,6 +204,9 @@ def load_model(source: str) -> LoadedModel:
         ModelSourceError: any failure to resolve or load, with a one-line reason.
     """
     kind, location = classify_source(source)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI shows its own progress; keep stderr to one line on errors
     if kind in ("builtin", "gguf"):
         model, tokenizer = _load_gguf(Path(location))
     elif kind == "hf-dir":

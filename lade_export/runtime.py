@@ -95,6 +95,7 @@ class GenerationStats:
         decode_s: decode wall time, seconds.
         acceptance_histogram: {tokens accepted in a step: number of steps}.
         host_s: time spent outside the engine during decode, seconds.
+        cache_tokens: tokens in the KV cache at the end (never above the context).
     """
 
     prompt_tokens: int = 0
@@ -104,6 +105,7 @@ class GenerationStats:
     decode_s: float = 0.0
     acceptance_histogram: dict = dataclasses.field(default_factory=dict)
     host_s: float = 0.0
+    cache_tokens: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -254,6 +256,7 @@ class Decoder:
         stats.decode_s = time.perf_counter() - t1
         stats.host_s = max(stats.decode_s - engine_s, 0.0)
         stats.new_tokens = len(new)
+        stats.cache_tokens = cache.length
         stats.acceptance_histogram = dict(histogram)
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else ""
         return GenerationResult(new, text, stop_reason, stats)

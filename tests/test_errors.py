@@ -1,0 +1,204 @@
+"""Every bad input ends in one clear line and a non-zero exit (docs/errors.md lists them).
+
+The CLI runs in-process through click's runner; each case asserts the exit status and
+the message, and that the message is the one documented in docs/errors.md.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lade_export.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _profile(tmp, text, name="p.toml"):
+    f = tmp / name
+    f.write_text(text)
+    return f
+
+
+def _copy_artifact(src, tmp):
+    dst = tmp / "art"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _model_dir(tmp, config=None, files=()):
+    d = tmp / "model"
+    d.mkdir()
+    if config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _truncated_checkpoint(tmp, stories_dir):
+    d = tmp / "trunc"
+    shutil.copytree(stories_dir, d)
+    os.chmod(d, 0o755)
+    st = d / "model.safetensors"
+    os.chmod(st, 0o644)
+    with open(st, "r+b") as fh:
+        fh.truncate(st.stat().st_size // 2)
+    return d
+
+
+def _not_gguf(tmp):
+    f = tmp / "weights.gguf"
+    f.write_bytes(b"PK\x03\x04 not gguf")
+    return f
+
+
+def _bad_schema(tmp, art):
+    a = _copy_artifact(art, tmp)
+    m = json.loads((a / "manifest.json").read_text())
+    m["schema_version"] = 99
+    (a / "manifest.json").write_text(json.dumps(m))
+    return a
+
+
+def _flip_byte(tmp, art, name):
+    a = _copy_artifact(art, tmp)
+    f = a / name
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    return a
+
+
+def _no_manifest(tmp, art):
+    a = _copy_artifact(art, tmp)
+    (a / "manifest.json").unlink()
+    return a
+
+
+def _non_utf8(tmp):
+    f = tmp / "prompt.txt"
+    f.write_bytes(b"caf\xe9 \xff")
+    return f
+
+
+# (id, builder(tmp, stories_dir, artifact) -> argv, exit code, message substring)
+CASES = [
+    ("model-missing-path", lambda t, s, a: ["build", "--model", "/nonexistent/model", "--out", t / "o"], 2,
+     "model path not found: /nonexistent/model"),
+    ("model-no-config", lambda t, s, a: ["build", "--model", _model_dir(t), "--out", t / "o"], 2,
+     "has no config.json: not a Hugging Face model directory"),
+    ("model-not-llama", lambda t, s, a: ["build", "--model", _model_dir(t, {"model_type": "gpt2"}), "--out", t / "o"], 2,
+     "model_type 'gpt2' is not supported; lade-export handles LLaMA-family checkpoints"),
+    ("model-truncated-safetensors", lambda t, s, a: ["build", "--model", _truncated_checkpoint(t, s), "--out", t / "o"],
+     2, "cannot load checkpoint in"),
+    ("model-not-gguf", lambda t, s, a: ["build", "--model", _not_gguf(t), "--out", t / "o"], 2,
+     "is not a GGUF file"),
+    ("model-hub-offline", lambda t, s, a: ["build", "--model", "org/name", "--out", t / "o"], 2,
+     "cannot reach the Hugging Face hub to fetch 'org/name'"),
+    ("profile-missing", lambda t, s, a: ["build", "--model", s, "--profile", t / "none.toml", "--out", t / "o"], 2,
+     "profile file not found:"),
+    ("profile-syntax", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                         _profile(t, "[lookahead]\nwindow = 3\nngram = = 4\n")], 2,
+     "TOML syntax error: Invalid value (at line 3, column 9)"),
+    ("profile-unknown-key", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                              _profile(t, "[lookahead]\nwindow=3\nngram=4\nguesses=2\nwidth=9\n")], 2,
+     "unknown key(s) in [lookahead]: width"),
+    ("profile-w-below-1", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                            _profile(t, "[lookahead]\nwindow=0\nngram=4\nguesses=2\n")], 2,
+     "window (W) must be ≥ 1, got 0"),
+    ("profile-n-below-2", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                            _profile(t, "[lookahead]\nwindow=3\nngram=1\nguesses=2\n")], 2,
+     "ngram (N) must be ≥ 2, got 1"),
+    ("profile-g-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                             _profile(t, "[lookahead]\nwindow=3\nngram=4\nguesses=-1\n")], 2,
+     "guesses (G) must be ≥ 0, got -1"),
+    ("profile-not-integer", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                              _profile(t, '[lookahead]\nwindow="3"\nngram=4\nguesses=2\n')], 2,
+     "window must be an integer, got '3'"),
+    ("profile-exceeds-context", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                                  _profile(t, "[lookahead]\nwindow=100\nngram=5\nguesses=100\n")], 2,
+     "its largest step (801 tokens) does not fit the model's context of 512 tokens"),
+    ("generate-context-exceeded", lambda t, s, a: ["generate", a, "--prompt", "Once upon a time",
+                                                    "--max-new-tokens", 600], 2,
+     "prompt (5 tokens) + --max-new-tokens (600) = 605 exceeds the model's context of 512 tokens"),
+    ("generate-max-new-tokens-zero", lambda t, s, a: ["generate", a, "--prompt", "hi", "--max-new-tokens", 0], 2,
+     "--max-new-tokens must be ≥ 1, got 0"),
+    ("generate-non-utf8-file", lambda t, s, a: ["generate", a, "--prompt-file", _non_utf8(t)], 2,
+     "is not UTF-8 text (byte 3)"),
+    ("generate-no-prompt", lambda t, s, a: ["generate", a], 2,
+     "give --prompt TEXT, --prompt-file PATH or --prompt-from DATASET:INDEX"),
+    ("artifact-missing-dir", lambda t, s, a: ["generate", t / "nothing", "--prompt", "hi"], 2,
+     "artifact directory not found:"),
+    ("artifact-no-manifest", lambda t, s, a: ["generate", _no_manifest(t, a), "--prompt", "hi"], 2,
+     "has no manifest.json: not a lade-export build"),
+    ("artifact-schema-version", lambda t, s, a: ["generate", _bad_schema(t, a), "--prompt", "hi"], 2,
+     "schema_version 99 is not supported by this lade-export (expects 1)"),
+    ("artifact-onnx-checksum", lambda t, s, a: ["generate", _flip_byte(t, a, "model.onnx"), "--prompt", "hi"], 2,
+     "checksum mismatch for model.onnx"),
+    ("artifact-tokenizer-checksum",
+     lambda t, s, a: ["generate", _flip_byte(t, a, "tokenizer/tokenizer.json"), "--prompt", "hi"], 2,
+     "checksum mismatch for tokenizer/tokenizer.json"),
+    ("build-out-exists", lambda t, s, a: ["build", "--model", s, "--out", a], 2,
+     "already exists; pass --force to replace it"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, stories_artifact, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # deterministic "offline" for the hub case
+    _, build_args, code, message = case
+    work = tmp_path / "w"
+    work.mkdir()
+    before = sorted(os.listdir(work))
+    args = build_args(work, stories_dir, stories_artifact)
+    before = sorted(os.listdir(work))
+    result = invoke(*args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == code, result.output
+    assert lines == [lines[0]] and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+    assert message in DOC, f"docs/errors.md does not document: {message}"
+    assert sorted(os.listdir(work)) == before  # nothing half-written (no "o", no temp dirs, no lock)
+
+
+def test_every_documented_row_has_a_test():
+    rows = [line for line in DOC.splitlines() if line.startswith("| `")]
+    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force",
+                                   "build-interrupted", "build-concurrent"}
+    documented = {r.split("`")[1] for r in rows}
+    assert documented == ids
+
+
+def test_gguf_with_out_of_range_pad_id_loads_and_matches_oracle(tmp_path, stories_dir, reference_greedy):
+    gguf = stories_dir / "llama2c" / "stories260K.gguf"
+    out = tmp_path / "g"
+    assert invoke("build", "--model", gguf, "--out", out).exit_code == 0
+    result = invoke("generate", out, "--prompt", "Once upon a time", "--max-new-tokens", 128, "--greedy")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(reference_greedy["cases"][0]["text"][:200])
+
+
+def test_empty_prompt_generates_from_bos(stories_artifact, reference_greedy):
+    result = invoke("generate", stories_artifact, "--prompt", "", "--max-new-tokens", 12, "--greedy")
+    assert result.exit_code == 0
+    assert result.stdout.startswith("Once upon a time")
+    assert "prefill 1 tokens" in result.stdout
+
+
+def test_force_replaces_only_after_success(tmp_path, stories_dir, stories_artifact):
+    out = _copy_artifact(stories_artifact, tmp_path)
+    old = (out / "manifest.json").read_text()
+    bad = invoke("build", "--model", "/nonexistent", "--out", out, "--force")
+    assert bad.exit_code == 2
+    assert (out / "manifest.json").read_text() == old
+    good = invoke("build", "--model", stories_dir, "--out", out, "--force", "--profile", "small")
+    assert good.exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["profiles"][0]["name"] == "small"
+    assert sorted(os.listdir(tmp_path)) == ["art"]
