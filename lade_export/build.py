@@ -42,6 +42,52 @@ def parity_prompt_ids(tokenizer, chat: bool) -> list[int]:
     return list(tokenizer(PARITY_PROMPT).input_ids)
 
 
+def _raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
+    bad = [c for c in cases if not c.ok()]
+    if bad:
+        c = bad[0]
+        raise CheckFailedError(
+            f"parity check ({what}) failed at {c.label} (step {c.step}, past {c.past}): max |Δlogit| {c.max_abs:.3g}, "
+            f"relative {c.rel:.3g}, argmax equal {c.argmax_equal}, KV max |Δ| {c.kv_max_abs:.3g}"
+        )
+
+
+def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_ids, engine_options: dict,
+                           timing_cache, say) -> list[dict]:
+    """Sanitize the graph, re-check its parity, and build one TensorRT engine per profile
+    into ``root/engines``. Returns the manifest entries.
+
+    Raises:
+        BackendUnavailableError: TensorRT or a GPU is missing.
+        CheckFailedError: the sanitized graph fails the parity bounds.
+    """
+    import tempfile
+
+    from .artifact import sha256_file
+    from .backends.tensorrt import build_engine, require_tensorrt
+    from .optimization_profiles import engine_plans
+    from .sanitize import sanitize_onnx
+
+    require_tensorrt()
+    entries = []
+    with tempfile.TemporaryDirectory(prefix="lade-sanitized-") as scratch:
+        say("sanitizing the graph for TensorRT")
+        clean = Path(scratch) / "model.onnx"
+        counts = sanitize_onnx(onnx_path, clean)
+        _raise_on_parity(check_parity(step, clean, prompt_ids, profiles[0] if profiles else None), "sanitized graph")
+        (root / "engines").mkdir(exist_ok=True)
+        for plan in engine_plans(profiles, step.dims, **engine_options):
+            say(f"building TensorRT engine {plan['file']}")
+            data, info = build_engine(
+                clean, plan["optimization_profiles"], precision=plan["precision"], timing_cache=timing_cache,
+                version_compatible=plan["version_compatible"], hardware_compatible=plan["hardware_compatible"],
+                on_progress=lambda phase, i, n: say(f"TensorRT {phase} {i}/{n or '?'}"),
+            )
+            (root / plan["file"]).write_bytes(data)
+            entries.append({**plan, **info, "sanitize": counts, "sha256": sha256_file(root / plan["file"])})
+    return entries
+
+
 def check_profiles_fit(profiles, max_context: int) -> None:
     """Raise :class:`ProfileError` if a profile's largest step exceeds the model's context."""
     for p in profiles:
@@ -53,7 +99,8 @@ def check_profiles_fit(profiles, max_context: int) -> None:
 
 
 def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,
-                   threads: int | None = None, loaded=None) -> dict:
+                   threads: int | None = None, loaded=None, engine_options: dict | None = None,
+                   timing_cache: str | Path | None = None) -> dict:
     """Build an artifact directory (see :mod:`lade_export.artifact`) and return its manifest.
 
     Args:
@@ -65,10 +112,15 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         threads: ONNX Runtime threads for the parity check.
         loaded: an already loaded :class:`~lade_export.model_source.LoadedModel` for
             ``source`` (skips loading; used by tests and tools that hold the model).
+        engine_options: with TensorRT, keyword arguments of
+            :func:`lade_export.optimization_profiles.engine_plans` (precision, max_batch,
+            max_prompt, max_context, version_compatible, hardware_compatible).
+        timing_cache: TensorRT timing cache path, reused across builds.
 
     Raises:
         ModelSourceError, ProfileError, ArtifactError: bad inputs (nothing written).
         CheckFailedError: ONNX-vs-PyTorch parity beyond the float32 bounds (nothing written).
+        BackendUnavailableError: TensorRT requested but missing (nothing written).
     """
     say = status or (lambda msg: None)
     with atomic_directory(out, force=force) as tmp:
@@ -87,13 +139,11 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)
         cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, threads=threads)
-        bad = [c for c in cases if not c.ok()]
-        if bad:
-            c = bad[0]
-            raise CheckFailedError(
-                f"parity check failed at {c.label} (step {c.step}, past {c.past}): max |Δlogit| {c.max_abs:.3g}, "
-                f"relative {c.rel:.3g}, argmax equal {c.argmax_equal}, KV max |Δ| {c.kv_max_abs:.3g}"
-            )
+        _raise_on_parity(cases)
+        engines = []
+        if engine_options is not None:
+            engines = build_tensorrt_engines(step, onnx_path, tmp, profiles, prompt_ids, engine_options, timing_cache,
+                                             say)
         say("saving tokenizer and manifest")
         loaded.tokenizer.save_pretrained(tmp / "tokenizer")
         inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
@@ -134,7 +184,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 ],
             },
             "timings_s": {"load": round(load_s, 2), "export": round(export_s, 2)},
-            "engines": [],
+            "engines": engines,
             "files": file_entries(tmp, names),
         }
         write_json_atomic(tmp / "manifest.json", manifest)

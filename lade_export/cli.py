@@ -53,15 +53,52 @@ def _profiles(values) -> list:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime threads for the parity check.")
-def build(source, profile_values, out, force, threads):
-    """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR."""
+@click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
+              help="onnx: the ONNX graph for ONNX Runtime; tensorrt: also one TensorRT engine per profile.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
+              help="TensorRT builder precision.")
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
+              help="TensorRT timing cache file, read and updated (reuse it across builds).")
+@click.option("--max-batch", type=int, default=1, show_default=True, help="Largest batch the engines accept.")
+@click.option("--max-prompt", type=int, default=None, help="Longest prompt prefilled at once (default: context/2).")
+@click.option("--max-context", type=int, default=None, help="Context bound of the engines (default: the model's).")
+@click.option("--version-compatible", is_flag=True, help="TensorRT version-compatible engines (for later runtimes).")
+@click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
+@click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")
+def build(source, profile_values, out, force, threads, engine, precision, timing_cache, max_batch, max_prompt,
+          max_context, version_compatible, hardware_compatible, dry_run):
+    """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
+    (and with --engine tensorrt, one TensorRT engine per profile)."""
     profiles = _profiles(profile_values)
     from .build import build_artifact
+    from .optimization_profiles import describe_plan, engine_plans
 
+    engine_options = None
+    if engine == "tensorrt":
+        engine_options = dict(precision=precision, max_batch=max_batch, max_prompt=max_prompt, max_context=max_context,
+                              version_compatible=version_compatible, hardware_compatible=hardware_compatible)
+    if dry_run:
+        from .build import check_profiles_fit
+        from .graph import ModelDims
+        from .model_source import load_model
+
+        dims = ModelDims.from_config(load_model(source).model.config)
+        check_profiles_fit(profiles, dims.max_context)
+        click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json")
+        if engine_options:
+            for plan in engine_plans(profiles, dims, **engine_options):
+                click.echo("\n".join(describe_plan(plan, dims.num_layers)))
+        click.echo("nothing was written")
+        return
+    if engine_options:
+        from .backends.tensorrt import require_tensorrt
+
+        require_tensorrt()  # before any work: nothing is written without TensorRT and a GPU
     console = _console()
     with console.status("starting") as status:
         manifest = build_artifact(source, profiles, out, force=force, threads=threads,
-                                  status=lambda m: status.update(f"[bold]{m}…"))
+                                  status=lambda m: status.update(f"[bold]{m}…"), engine_options=engine_options,
+                                  timing_cache=timing_cache)
     worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
     console.print(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
                   f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
@@ -211,6 +248,49 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
         click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x")
         if not same:
             sys.exit(1)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--max-abs", type=float, default=1e-3, show_default=True, help="Bound on max |Δ| per output (float32).")
+@click.option("--max-rel", type=float, default=1e-5, show_default=True, help="Bound on max |Δ| / max |reference|.")
+def check(artifact_dir, max_abs, max_rel):
+    """Validate DIR: checksums, then ONNX Runtime (and TensorRT engines) vs the PyTorch
+    reference on lookahead-shaped feeds, with Polygraphy's comparator."""
+    from rich.table import Table
+
+    from .check import check_artifact
+    from .errors import CheckFailedError
+
+    console = _console()
+    with console.status("checking") as status:
+        report = check_artifact(artifact_dir, max_abs=max_abs, max_rel=max_rel,
+                                status=lambda m: status.update(f"[bold]{m}…"))
+    table = Table(title=f"{artifact_dir}: outputs vs PyTorch over {len(report.cases)} feeds ({', '.join(report.cases)})")
+    for col in ("runner", "output", "max |Δ|", "relative", "worst case", "ok"):
+        table.add_column(col)
+    shown = [e for e in report.output_errors if not e.output.startswith("present.")]
+    present = [e for e in report.output_errors if e.output.startswith("present.")]
+    if present:
+        worst = max(present, key=lambda e: e.max_abs)
+        shown.append(dataclasses_replace(worst, output=f"present.* (worst: {worst.output})",
+                                         ok=all(e.ok for e in present)))
+    for e in shown:
+        table.add_row(e.runner, e.output, f"{e.max_abs:.2e}", f"{e.rel:.1e}", e.case, "yes" if e.ok else "NO")
+    from rich.console import Console
+
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for msg in report.checksum_errors:
+        click.echo(f"checksum: {msg}")
+    if not report.ok:
+        raise CheckFailedError("check failed: " + "; ".join(report.failures()))
+    click.echo("check passed")
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
 
 
 @main.command()

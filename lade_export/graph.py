@@ -344,14 +344,43 @@ def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[t
     return cases
 
 
+def reference_cases(step_module: DecoderStep, prompt_ids: list[int], profile=None) -> list[tuple[str, dict]]:
+    """Complete feeds (KV cache included) for comparing engines on real tokens.
+
+    Shapes: prefill (step = prompt length, past 0), a lookahead-shaped step (past =
+    prompt length − 1, custom mask, non-contiguous positions, full verification branch)
+    when ``profile`` is given, and a greedy step (step 1). The cache of the non-prefill
+    cases is the real one from running the prompt prefix through the PyTorch step.
+
+    Returns:
+        ``[(label, feeds)]`` with numpy feeds keyed by input name.
+    """
+    d = step_module.dims
+    empty = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
+    past_feeds = {n: empty for i in range(d.num_layers) for n in (past_key_name(i), past_value_name(i))}
+    prefix = np.asarray(prompt_ids[:-1], dtype=np.int64)
+    real_past = dict(past_feeds)
+    if len(prefix):
+        pre = {
+            "input_ids": prefix[None, :],
+            "position_ids": np.arange(len(prefix), dtype=np.int64)[None, :],
+            "attention_mask": np.tril(np.ones((len(prefix), len(prefix)), dtype=bool))[None, None],
+            "logits_positions": np.zeros((1, 1), dtype=np.int64),
+            **past_feeds,
+        }
+        out = run_torch_step(step_module, pre)
+        for i in range(d.num_layers):
+            real_past[past_key_name(i)] = out[present_key_name(i)]
+            real_past[past_value_name(i)] = out[present_value_name(i)]
+    cases = []
+    for label, feeds in parity_feeds(d, list(prompt_ids), profile):
+        cases.append((label, {**feeds, **(past_feeds if label == "prefill" else real_past)}))
+    return cases
+
+
 def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: list[int], profile=None,
                  threads: int | None = None) -> list[ParityCase]:
-    """Compare ONNX Runtime against the PyTorch step on real prompt tokens.
-
-    Shapes checked: prefill (step = prompt length, past 0), a lookahead-shaped step
-    (past = prompt length − 1, custom mask, non-contiguous positions) when ``profile`` is
-    given, and a greedy step (step 1). For the non-prefill cases the cache is the real one
-    from running the prompt prefix through the PyTorch step.
+    """Compare ONNX Runtime against the PyTorch step on :func:`reference_cases`.
 
     Returns:
         one :class:`ParityCase` per shape (max abs logits difference, max |logit|,
@@ -359,47 +388,25 @@ def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: li
     """
     from .backends.onnxruntime import OrtEngine
 
-    d = step_module.dims
     engine = OrtEngine(onnx_path, threads=threads)
     results = []
-    prefix = np.asarray(prompt_ids[:-1], dtype=np.int64)
-    past_feeds = {}
-    if len(prefix):
-        pre = {
-            "input_ids": prefix[None, :],
-            "position_ids": np.arange(len(prefix), dtype=np.int64)[None, :],
-            "attention_mask": np.tril(np.ones((len(prefix), len(prefix)), dtype=bool))[None, None],
-            "logits_positions": np.zeros((1, 1), dtype=np.int64),
-        }
-        for i in range(d.num_layers):
-            pre[past_key_name(i)] = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
-            pre[past_value_name(i)] = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
-        out = run_torch_step(step_module, pre)
-        for i in range(d.num_layers):
-            past_feeds[past_key_name(i)] = out[present_key_name(i)]
-            past_feeds[past_value_name(i)] = out[present_value_name(i)]
-    for label, feeds in parity_feeds(d, list(prompt_ids), profile):
-        feeds = dict(feeds)
-        for i in range(d.num_layers):
-            if label == "prefill" or not past_feeds:
-                shape = (1, d.kv_heads, 0, d.head_dim)
-                feeds[past_key_name(i)] = np.zeros(shape, np.float32)
-                feeds[past_value_name(i)] = np.zeros(shape, np.float32)
-            else:
-                feeds[past_key_name(i)] = past_feeds[past_key_name(i)]
-                feeds[past_value_name(i)] = past_feeds[past_value_name(i)]
+    for label, feeds in reference_cases(step_module, prompt_ids, profile):
         ref = run_torch_step(step_module, feeds)
         got = engine.run(feeds, with_logits=True)
-        diff = float(np.max(np.abs(ref["logits"] - got["logits"])))
-        kv = max(float(np.max(np.abs(ref[n] - got[n]))) if ref[n].size else 0.0
-                 for n in ref if n.startswith("present."))
-        results.append(ParityCase(
-            label=label,
-            step=feeds["input_ids"].shape[1],
-            past=feeds[past_key_name(0)].shape[2],
-            max_abs=diff,
-            max_logit=float(np.max(np.abs(ref["logits"]))),
-            argmax_equal=bool(np.array_equal(ref["logits"].argmax(-1), got["logits"].argmax(-1))),
-            kv_max_abs=kv,
-        ))
+        results.append(compare_outputs(label, feeds, ref, got))
     return results
+
+
+def compare_outputs(label: str, feeds: dict, ref: dict, got: dict) -> ParityCase:
+    """Summarize the difference between two engines' outputs on the same feeds."""
+    diff = float(np.max(np.abs(ref["logits"] - got["logits"])))
+    kv = max(float(np.max(np.abs(ref[n] - got[n]))) if ref[n].size else 0.0 for n in ref if n.startswith("present."))
+    return ParityCase(
+        label=label,
+        step=feeds["input_ids"].shape[1],
+        past=feeds[past_key_name(0)].shape[2],
+        max_abs=diff,
+        max_logit=float(np.max(np.abs(ref["logits"]))),
+        argmax_equal=bool(np.array_equal(ref["logits"].argmax(-1), got["logits"].argmax(-1))),
+        kv_max_abs=kv,
+    )

@@ -1,0 +1,120 @@
+"""Everything around TensorRT that runs without it: optimization-profile shapes, engine
+plans, the dry run, the missing-TensorRT error, and graph sanitizing."""
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from lade_export.cli import main
+from lade_export.errors import BackendUnavailableError, ProfileError
+from lade_export.graph import ModelDims
+from lade_export.optimization_profiles import axis_ranges, engine_plans, optimization_profiles
+from lade_export.profile import LookaheadProfile, resolve_profile
+
+STORIES = ModelDims(num_layers=5, heads=8, kv_heads=4, head_dim=8, hidden=64, vocab=512, max_context=512,
+                    tied_embeddings=False)
+SMOLLM2 = ModelDims(num_layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, vocab=49152, max_context=8192,
+                    tied_embeddings=True)
+
+
+@pytest.mark.parametrize(
+    "profile,step,rows",
+    [
+        (LookaheadProfile(5, 4, 5), 31, 21),  # 1 + (5+5)*3 = 31; 1 + 5 + 5*3 = 21
+        (LookaheadProfile(7, 5, 7), 57, 36),  # 1 + 14*4 = 57;     1 + 7 + 28 = 36
+        (LookaheadProfile(2, 3, 2), 9, 7),  # 1 + 4*2 = 9;         1 + 2 + 4 = 7
+        (LookaheadProfile(15, 5, 15), 121, 76),  # 1 + 30*4 = 121; 1 + 15 + 60 = 76
+        (LookaheadProfile(4, 2, 0), 5, 5),  # no verification branch: 1 + 4*1 = 5
+    ],
+)
+def test_decode_profile_step_is_one_plus_window_and_guesses_times_levels(profile, step, rows):
+    shapes = optimization_profiles(profile, SMOLLM2, max_batch=4, max_prompt=1024, max_context=2048)
+    dec, pre = shapes["decode"], shapes["prefill"]
+    assert dec["input_ids"] == {"min": [1, 1], "opt": [1, step], "max": [4, step]}
+    assert dec["position_ids"] == dec["input_ids"]
+    assert dec["logits_positions"] == {"min": [1, 1], "opt": [1, rows], "max": [4, rows]}
+    assert dec["attention_mask"] == {"min": [1, 1, 1, 1], "opt": [1, 1, step, 1024 + step],
+                                     "max": [4, 1, step, 2047 + step]}
+    assert dec["past_key_values.29.value"] == {"min": [1, 3, 0, 64], "opt": [1, 3, 1024, 64], "max": [4, 3, 2047, 64]}
+    assert pre["input_ids"] == {"min": [1, 1], "opt": [1, 1024], "max": [4, 1024]}
+    assert pre["attention_mask"] == {"min": [1, 1, 1, 1], "opt": [1, 1, 1024, 1024], "max": [4, 1, 1024, 1024]}
+    assert pre["past_key_values.0.key"] == {"min": [1, 3, 0, 64], "opt": [1, 3, 0, 64], "max": [4, 3, 0, 64]}
+    assert len(dec) == 4 + 2 * 30
+
+
+def test_defaults_use_the_model_context_and_half_of_it_for_prompts():
+    shapes = optimization_profiles(resolve_profile("default"), STORIES)
+    assert shapes["prefill"]["input_ids"]["max"] == [1, 256]
+    assert shapes["decode"]["past_key_values.0.key"]["max"] == [1, 4, 511, 8]
+    assert shapes["decode"]["attention_mask"]["max"] == [1, 1, 31, 542]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_batch": 0, "max_prompt": 10, "max_context": 512}, "max batch must be ≥ 1, got 0"),
+        ({"max_batch": 1, "max_prompt": 512, "max_context": 512}, "max prompt must be in 1..511"),
+        ({"max_batch": 1, "max_prompt": 10, "max_context": 100}, "its largest step (121 tokens) does not fit"),
+    ],
+)
+def test_invalid_bounds_are_rejected(kwargs, message):
+    with pytest.raises(ProfileError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        axis_ranges(LookaheadProfile(15, 5, 15), **kwargs)
+
+
+def test_engine_plans_name_files_after_profiles_and_refuse_duplicates():
+    plans = engine_plans([resolve_profile("default"), resolve_profile("paper")], STORIES, precision="bf16")
+    assert [p["file"] for p in plans] == ["engines/default.plan", "engines/paper.plan"]
+    assert plans[1]["optimization_profiles"]["decode"]["input_ids"]["max"] == [1, 57]
+    assert plans[0]["precision"] == "bf16"
+    with pytest.raises(ProfileError, match="two profiles are named 'default'"):
+        engine_plans([resolve_profile("default"), resolve_profile("default")], STORIES)
+
+
+def test_dry_run_prints_two_engines_and_writes_nothing(tmp_path, stories_dir):
+    out = tmp_path / "X"
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt", "--dry-run",
+                                       "--profile", "profiles/default.toml", "--profile", "profiles/paper.toml",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "engine engines/default.plan: profile default (W=5, N=4, G=5)" in text
+    assert "engine engines/paper.plan: profile paper (W=7, N=5, G=7)" in text
+    assert text.count("optimization profile 0 (prefill):") == 2
+    assert text.count("optimization profile 1 (decode):") == 2
+    assert "input_ids                            min [1, 1]  opt [1, 57]  max [1, 57]" in text
+    assert "past_key_values.{0..4}.key/.value    min [1, 4, 0, 8]  opt [1, 4, 256, 8]  max [1, 4, 511, 8]" in text
+    assert "nothing was written" in text
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_tensorrt_the_build_fails_in_one_line_and_writes_nothing(tmp_path, stories_dir):
+    out = tmp_path / "X"
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt",
+                                       "--profile", "default", "--profile", "paper", "--out", str(out)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["error: TensorRT is not installed; pip install 'lade-export[tensorrt]' (NVIDIA's tensorrt ≥ 10 "
+                     "wheels, from pypi.nvidia.com) on a machine with an NVIDIA GPU"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_tensorrt_runtime_engine_says_what_is_missing(stories_artifact):
+    from lade_export.artifact import Artifact
+    from lade_export.backends.tensorrt import TensorRTEngine
+
+    with pytest.raises(BackendUnavailableError, match="TensorRT is not installed"):
+        TensorRTEngine(Artifact(stories_artifact))
+
+
+def test_sanitized_graph_is_smaller_and_keeps_parity(tmp_path, stories_loaded, stories_artifact, reference_greedy):
+    from lade_export.graph import DecoderStep, check_parity
+    from lade_export.sanitize import sanitize_onnx
+
+    counts = sanitize_onnx(stories_artifact / "model.onnx", tmp_path / "clean.onnx")
+    assert counts["nodes_after"] < counts["nodes_before"] * 0.6
+    step = DecoderStep(stories_loaded.model).eval()
+    cases = check_parity(step, tmp_path / "clean.onnx", reference_greedy["cases"][1]["prompt_ids"],
+                         resolve_profile("paper"))
+    assert all(c.ok() for c in cases), cases
