@@ -78,15 +78,24 @@ def atomic_directory(out: str | Path, force: bool = False):
         force: replace an existing ``out`` (only after the new build completed).
 
     Raises:
-        ArtifactError: ``out`` exists and ``force`` is false, or another build holds the
-            lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
+        ArtifactError: ``out`` exists and ``force`` is false; ``out`` exists but is not a
+            lade-export build (``force`` never deletes anything else); ``out`` is empty,
+            the working or home directory; or another build holds the lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
             temporary directory is removed and ``out`` is left as it was.
     """
+    if not str(out).strip():
+        raise ArtifactError("--out is empty; give the artifact directory to create")
     out = Path(out).resolve()
-    if out.exists() and not force:
-        raise ArtifactError(f"{out} already exists; pass --force to replace it")
-    if not out.parent.is_dir():
-        raise ArtifactError(f"parent directory of --out does not exist: {out.parent}")
+    if out == Path.cwd().resolve() or out == Path.home().resolve() or out.parent == out:
+        raise ArtifactError(f"refusing to build into {out}: give a new directory for --out")
+    if out.exists():
+        if not force:
+            raise ArtifactError(f"{out} already exists; pass --force to replace it")
+        if not (out.is_dir() and (out / MANIFEST).is_file()):
+            raise ArtifactError(f"refusing to replace {out}: it is not a lade-export build (no {MANIFEST})")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ArtifactError(f"parent of --out is not a directory: {out.parent}")
+    out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
     lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
@@ -151,12 +160,17 @@ class Artifact:
             self.manifest = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ArtifactError(f"{path}: unreadable manifest: {err}") from None
+        if not isinstance(self.manifest, dict):
+            raise ArtifactError(f"{path}: not a lade-export manifest (expected a JSON object)")
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ArtifactError(
                 f"{path}: schema_version {version!r} is not supported by this lade-export (expects {SCHEMA_VERSION}); "
                 "rebuild with lade-export build"
             )
+        missing = [k for k in ("source", "model", "graph", "files") if not isinstance(self.manifest.get(k), dict)]
+        if missing:
+            raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}; rebuild with lade-export build")
         if verify:
             self.verify_checksums()
 

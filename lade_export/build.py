@@ -153,7 +153,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             "schema_version": SCHEMA_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": _versions(),
-            "source": {"model": source, "kind": loaded.kind},
+            "source": {"model": loaded.source, "kind": loaded.kind},
             "model": {
                 "architecture": "llama",
                 "dims": dims.as_dict(),

@@ -16,7 +16,25 @@ from .profile import resolve_profile
 
 
 class _Group(click.Group):
-    """Turns typed errors and interrupts into one-line messages and exit codes."""
+    """Turns typed errors, usage errors and interrupts into one-line messages and exit codes."""
+
+    def main(self, *args, **kwargs):
+        kwargs.setdefault("standalone_mode", False)
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Exit as done:
+            sys.exit(done.exit_code)
+        except click.UsageError as err:
+            where = f" (see: lade-export {err.ctx.command_path.split(' ', 1)[1]} --help)" if err.ctx and " " in \
+                err.ctx.command_path else " (see: lade-export --help)"
+            click.echo(f"error: {err.format_message()}{where}", err=True)
+            sys.exit(2)
+        except click.ClickException as err:
+            click.echo(f"error: {err.format_message()}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
 
     def invoke(self, ctx):
         try:
@@ -25,7 +43,8 @@ class _Group(click.Group):
             click.echo(f"error: {err}", err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
-            click.echo("error: interrupted; nothing was written", err=True)
+            interrupted_build = ctx.invoked_subcommand in ("build", "export")
+            click.echo("error: interrupted; nothing was written" if interrupted_build else "error: interrupted", err=True)
             sys.exit(130)
 
 
@@ -42,7 +61,14 @@ def main():
 
 
 def _profiles(values) -> list:
-    return [resolve_profile(v) for v in (values or ("default",))]
+    from .errors import ProfileError
+
+    profiles = [resolve_profile(v) for v in (values or ("default",))]
+    names = [p.name for p in profiles]
+    for name in names:
+        if names.count(name) > 1:
+            raise ProfileError(f"profile {name!r} is given twice; each --profile needs its own name")
+    return profiles
 
 
 @main.command()
@@ -52,14 +78,14 @@ def _profiles(values) -> list:
               help="Profile TOML, name under profiles/, or W,N,G (repeatable; default: default).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime threads for the parity check.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads for the parity check.")
 @click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="onnx: the ONNX graph for ONNX Runtime; tensorrt: also one TensorRT engine per profile.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
               help="TensorRT builder precision.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, read and updated (reuse it across builds).")
-@click.option("--max-batch", type=int, default=1, show_default=True, help="Largest batch the engines accept.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Largest batch the engines accept.")
 @click.option("--max-prompt", type=int, default=None, help="Longest prompt prefilled at once (default: context/2).")
 @click.option("--max-context", type=int, default=None, help="Context bound of the engines (default: the model's).")
 @click.option("--version-compatible", is_flag=True, help="TensorRT version-compatible engines (for later runtimes).")
@@ -100,9 +126,9 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
                                   status=lambda m: status.update(f"[bold]{m}…"), engine_options=engine_options,
                                   timing_cache=timing_cache)
     worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
-    console.print(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
-                  f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
-                  f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})")
+    click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
+               f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
+               f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
 
 
 @main.command()
@@ -118,6 +144,10 @@ def export(source, out, force):
 
 
 def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
+    given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-from", prompt_from))
+             if v is not None]
+    if len(given) > 1:
+        raise GenerationError(f"give only one of {', '.join(given)}")
     if prompt_from is not None:
         from .datasets import load_prompts
 
@@ -133,6 +163,8 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
             return Path(prompt_file).read_bytes().decode("utf-8")
         except FileNotFoundError:
             raise GenerationError(f"prompt file not found: {prompt_file}") from None
+        except (IsADirectoryError, PermissionError) as err:
+            raise GenerationError(f"cannot read prompt file {prompt_file}: {err.strerror}") from None
         except UnicodeDecodeError as err:
             raise GenerationError(f"prompt file {prompt_file} is not UTF-8 text (byte {err.start})") from None
     if prompt is None:
@@ -196,7 +228,7 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
               help="Compute dtype of the torch backend.")
-@click.option("--threads", type=int, default=None, help="Engine threads (default: one per core).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
 @click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
 def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, profile_value, backend, device, dtype,
              threads, check_greedy):
@@ -306,7 +338,8 @@ def inspect(artifact_dir, as_json):
 
     from .artifact import Artifact
 
-    m = Artifact(artifact_dir, verify=False).manifest
+    artifact = Artifact(artifact_dir, verify=False)
+    m = artifact.manifest
     if as_json:
         click.echo(json.dumps(m, indent=2))
         return
@@ -343,8 +376,12 @@ def inspect(artifact_dir, as_json):
         par.add_row(c["label"], str(c["step"]), str(c["past"]), f"{c['max_abs']:.2e}", f"{c['rel']:.1e}",
                     str(c["argmax_equal"]))
     console.print(par)
+    from .check import checksum_errors
+
+    bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))
     for name, e in m["files"].items():
-        console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…")
+        state = f"[red]{bad[name]}[/]" if name in bad else "ok"
+        console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…  {state}")
     for e in m.get("engines", []):
         console.print(f"  engine {e['file']} ({e.get('precision')}, TensorRT {e.get('tensorrt_version')})")
 

@@ -42,10 +42,16 @@ def datasets_root() -> Path:
 
 def _records(path: Path):
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                yield json.loads(line)
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise GenerationError(f"{path} line {number}: not JSON ({err.msg})") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise GenerationError(f"cannot read dataset {path}: {err}") from None
 
 
 def load_prompts(name: str, limit: int | None = None, chat: bool = True) -> list[Prompt]:
@@ -69,8 +75,11 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True) -> list
     for i, rec in enumerate(_records(path)):
         if limit is not None and len(prompts) >= limit:
             break
+        if not isinstance(rec, dict):
+            raise GenerationError(f"{path} record {i}: expected a JSON object")
         if "turns" in rec:
-            text, pid = rec["turns"][0], rec.get("question_id", i)
+            turns = rec["turns"]
+            text, pid = (turns[0] if isinstance(turns, list) and turns else None), rec.get("question_id", i)
         elif "task_id" in rec:
             text, pid = (HUMANEVAL_INSTRUCTION + rec["prompt"]) if chat else rec["prompt"], rec["task_id"]
         elif "question" in rec:
@@ -79,5 +88,7 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True) -> list
             text, pid = rec["prompt"], rec.get("id", i)
         else:
             raise GenerationError(f"{path} record {i}: no prompt, question or turns field")
+        if not isinstance(text, str) or not text:
+            raise GenerationError(f"{path} record {i}: the prompt must be a non-empty string")
         prompts.append(Prompt(str(pid), text, label))
     return prompts

@@ -37,7 +37,7 @@ class LoadedModel:
     Attributes:
         model: ``transformers`` causal LM in eval mode, float32.
         tokenizer: its tokenizer (with chat template where the checkpoint has one).
-        source: the ``--model`` value as given.
+        source: the ``--model`` value, with local paths made absolute (what the manifest records).
         kind: ``"builtin" | "hf-dir" | "gguf" | "hub"``.
         stop_token_ids: every id that ends generation (generation config's eos ids and the
             tokenizer's eos id, deduplicated, sorted).
@@ -125,13 +125,16 @@ def _load_gguf(path: Path):
 
     workdir = None
     try:
-        if gguf_needing_repair(path):
-            workdir = Path(tempfile.mkdtemp(prefix="lade-gguf-"))
-            path = repaired_gguf_copy(path, workdir)
+        try:
+            if gguf_needing_repair(path):
+                workdir = Path(tempfile.mkdtemp(prefix="lade-gguf-"))
+                path = repaired_gguf_copy(path, workdir)
+        except (ValueError, KeyError, IndexError, OSError) as err:
+            raise ModelSourceError(f"cannot read GGUF {path.name} (truncated or corrupt?): {str(err).splitlines()[0]}") from None
         try:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, KeyError, OSError, RuntimeError) as err:
+        except Exception as err:  # the GGUF loader raises many types on corrupt files
             raise ModelSourceError(f"cannot load GGUF {path.name}: {str(err).splitlines()[0]}") from None
     finally:
         if workdir is not None:
@@ -214,5 +217,5 @@ def load_model(source: str) -> LoadedModel:
     else:
         model, tokenizer = _load_hub(str(location))
     model.eval()
-
-    return LoadedModel(model, tokenizer, source, kind, _stop_ids(model, tokenizer))
+    recorded = str(Path(location).resolve()) if kind in ("hf-dir", "gguf") else source
+    return LoadedModel(model, tokenizer, recorded, kind, _stop_ids(model, tokenizer))

@@ -27,11 +27,13 @@ TOML layout (``profiles/default.toml``)::
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
 from .errors import ProfileError
 
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
 _LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "seed_pool_from_prompt"}
 _TOP_KEYS = {"name", "description", "lookahead"}
 
@@ -58,6 +60,10 @@ class LookaheadProfile:
     seed_pool_from_prompt: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ProfileError(
+                f"profile name {self.name!r} must be letters, digits, '.', '_' or '-' (it names engine files)"
+            )
         for key, low in (("window", 1), ("ngram", 2), ("guesses", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -145,6 +151,8 @@ def load_profile(path: str | Path) -> LookaheadProfile:
             unknown keys, missing keys, or invalid values.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ProfileError(f"profile path is a directory, not a TOML file: {path}")
     if not path.is_file():
         raise ProfileError(f"profile file not found: {path}")
     try:
@@ -168,7 +176,7 @@ def load_profile(path: str | Path) -> LookaheadProfile:
         )
     name = data.get("name", path.stem)
     try:
-        return LookaheadProfile.from_dict(section, name=str(name))
+        return LookaheadProfile.from_dict(section, name=name)
     except ProfileError as err:
         raise ProfileError(f"{path}: {err}") from None
 
@@ -185,7 +193,7 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
     if path.is_file():
         return load_profile(path)
     bundled = Path(__file__).resolve().parent.parent / "profiles" / f"{text}.toml"
-    if bundled.is_file():
+    if _NAME.match(text) and bundled.is_file():
         return load_profile(bundled)
     parts = text.split(",")
     if len(parts) == 3 and all(p.strip().lstrip("-").isdigit() for p in parts):

@@ -127,7 +127,8 @@ class GenerationStats:
     def line(self) -> str:
         """The one-line summary the CLI prints."""
         return (f"steps {self.steps} · tokens {self.new_tokens} · compression {self.compression_ratio:.2f} · "
-                f"{self.tokens_per_s:.1f} tok/s (prefill {self.prompt_tokens} tokens in {self.prefill_s:.2f}s)")
+                f"{self.tokens_per_s:.1f} tok/s (prefill {self.prompt_tokens} token{'' if self.prompt_tokens == 1 else 's'} "
+                f"in {self.prefill_s:.2f}s)")
 
 
 @dataclasses.dataclass

@@ -82,6 +82,34 @@ def _no_manifest(tmp, art):
     return a
 
 
+def _half_gguf(tmp, stories_dir):
+    src = stories_dir / "llama2c" / "stories260K.gguf"
+    f = tmp / "half.gguf"
+    f.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    return f
+
+
+def _not_a_build(tmp):
+    d = tmp / "mine"
+    d.mkdir()
+    (d / "precious.txt").write_text("keep me")
+    return d
+
+
+def _jsonl(tmp, text):
+    f = tmp / "prompts.jsonl"
+    f.write_text(text)
+    return f
+
+
+def _manifest_without_model(tmp, art):
+    a = _copy_artifact(art, tmp)
+    m = json.loads((a / "manifest.json").read_text())
+    del m["model"]
+    (a / "manifest.json").write_text(json.dumps(m))
+    return a
+
+
 def _non_utf8(tmp):
     f = tmp / "prompt.txt"
     f.write_bytes(b"caf\xe9 \xff")
@@ -102,6 +130,8 @@ CASES = [
      "is not a GGUF file"),
     ("model-hub-offline", lambda t, s, a: ["build", "--model", "org/name", "--out", t / "o"], 2,
      "cannot reach the Hugging Face hub to fetch 'org/name'"),
+    ("model-truncated-gguf", lambda t, s, a: ["build", "--model", _half_gguf(t, s), "--out", t / "o"], 2,
+     "cannot read GGUF half.gguf (truncated or corrupt?)"),
     ("profile-missing", lambda t, s, a: ["build", "--model", s, "--profile", t / "none.toml", "--out", t / "o"], 2,
      "profile file not found:"),
     ("profile-syntax", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
@@ -125,6 +155,12 @@ CASES = [
     ("profile-exceeds-context", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                                   _profile(t, "[lookahead]\nwindow=100\nngram=5\nguesses=100\n")], 2,
      "its largest step (801 tokens) does not fit the model's context of 512 tokens"),
+    ("profile-bad-name", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                           _profile(t, 'name = "../x"\n[lookahead]\nwindow=3\nngram=4\nguesses=2\n')],
+     2, "profile name '../x' must be letters, digits, '.', '_' or '-' (it names engine files)"),
+    ("profile-twice", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile", "small", "--profile",
+                                        "small"], 2,
+     "profile 'small' is given twice; each --profile needs its own name"),
     ("generate-context-exceeded", lambda t, s, a: ["generate", a, "--prompt", "Once upon a time",
                                                     "--max-new-tokens", 600], 2,
      "prompt (5 tokens) + --max-new-tokens (600) = 605 exceeds the model's context of 512 tokens"),
@@ -134,6 +170,17 @@ CASES = [
      "is not UTF-8 text (byte 3)"),
     ("generate-no-prompt", lambda t, s, a: ["generate", a], 2,
      "give --prompt TEXT, --prompt-file PATH or --prompt-from DATASET:INDEX"),
+    ("generate-two-prompts", lambda t, s, a: ["generate", a, "--prompt", "hi", "--prompt-file", _non_utf8(t)], 2,
+     "give only one of --prompt, --prompt-file"),
+    ("generate-prompt-file-is-dir", lambda t, s, a: ["generate", a, "--prompt-file", t], 2,
+     "Is a directory"),
+    ("generate-prompt-from-not-json", lambda t, s, a: ["generate", a, "--prompt-from", f"{_jsonl(t, 'nope')}:0"], 2,
+     "prompts.jsonl line 1: not JSON (Expecting value)"),
+    ("generate-prompt-from-empty", lambda t, s, a: ["generate", a, "--prompt-from",
+                                                     f"{_jsonl(t, json.dumps({'turns': []}))}:0"], 2,
+     "prompts.jsonl record 0: the prompt must be a non-empty string"),
+    ("cli-usage", lambda t, s, a: ["generate", a, "--max-new-tokens", "abc"], 2,
+     "Invalid value for '--max-new-tokens': 'abc' is not a valid integer. (see: lade-export generate --help)"),
     ("artifact-missing-dir", lambda t, s, a: ["generate", t / "nothing", "--prompt", "hi"], 2,
      "artifact directory not found:"),
     ("artifact-no-manifest", lambda t, s, a: ["generate", _no_manifest(t, a), "--prompt", "hi"], 2,
@@ -145,6 +192,10 @@ CASES = [
     ("artifact-tokenizer-checksum",
      lambda t, s, a: ["generate", _flip_byte(t, a, "tokenizer/tokenizer.json"), "--prompt", "hi"], 2,
      "checksum mismatch for tokenizer/tokenizer.json"),
+    ("artifact-manifest-incomplete", lambda t, s, a: ["generate", _manifest_without_model(t, a), "--prompt", "hi"], 2,
+     "manifest lacks model; rebuild with lade-export build"),
+    ("build-force-not-a-build", lambda t, s, a: ["build", "--model", s, "--out", _not_a_build(t), "--force"], 2,
+     "it is not a lade-export build (no manifest.json)"),
     ("build-out-exists", lambda t, s, a: ["build", "--model", s, "--out", a], 2,
      "already exists; pass --force to replace it"),
 ]
@@ -189,7 +240,7 @@ def test_empty_prompt_generates_from_bos(stories_artifact, reference_greedy):
     result = invoke("generate", stories_artifact, "--prompt", "", "--max-new-tokens", 12, "--greedy")
     assert result.exit_code == 0
     assert result.stdout.startswith("Once upon a time")
-    assert "prefill 1 tokens" in result.stdout
+    assert "prefill 1 token in" in result.stdout
 
 
 def test_force_replaces_only_after_success(tmp_path, stories_dir, stories_artifact):
