@@ -88,17 +88,29 @@ class NGramPool:
         return int(np.count_nonzero(self.stamp))
 
 
-@lru_cache(maxsize=256)
-def step_template(window: int, levels: int, n_candidates: int):
+def chain_parents(n_candidates: int, levels: int) -> tuple:
+    """Trie parents of ``n_candidates`` disjoint chains of ``levels`` tokens (no shared prefix)."""
+    return tuple(-1 if k == 0 else c * levels + k - 1 for c in range(n_candidates) for k in range(levels))
+
+
+@lru_cache(maxsize=4096)
+def step_template(window: int, levels: int, parents: tuple):
     """Position offsets, step-local mask and logits rows for one layout (cached, read-only).
+
+    Args:
+        window: W.
+        levels: N − 1.
+        parents: the verification trie, node i's parent node index (−1: a child of the
+            last accepted token); parents precede children.
 
     Returns:
         ``(offsets, mask, logit_rows)``: ``offsets`` int64 [step] (position − p),
         ``mask`` bool [step, step] (step-local part of the attention mask),
-        ``logit_rows`` int64 [1 + W + C·L] (rows whose logits are read).
+        ``logit_rows`` int64 [1 + W + nodes] (rows whose logits are read).
     """
-    w, L, c = window, levels, n_candidates
-    step = 1 + L * w + c * L
+    w, L = window, levels
+    base = 1 + L * w
+    step = base + len(parents)
     offsets = np.zeros(step, dtype=np.int64)
     mask = np.zeros((step, step), dtype=bool)
     mask[:, 0] = True
@@ -109,16 +121,43 @@ def step_template(window: int, levels: int, n_candidates: int):
             offsets[r] = 1 + lev + col
             mask[r, [win(0, j) for j in range(col + 1)]] = True
             mask[r, [win(k, col) for k in range(1, lev + 1)]] = True
-    base = 1 + L * w
-    for cand in range(c):
-        for k in range(L):
-            r = base + cand * L + k
-            offsets[r] = 1 + k
-            mask[r, base + cand * L: r + 1] = True
+    for node, parent in enumerate(parents):
+        r = base + node
+        offsets[r] = 1 if parent < 0 else offsets[base + parent] + 1
+        mask[r, r] = True
+        if parent >= 0:
+            mask[r, base:] |= mask[base + parent, base:]
     logit_rows = np.concatenate([[0], [win(L - 1, j) for j in range(w)], np.arange(base, step)]).astype(np.int64)
     for arr in (offsets, mask, logit_rows):
         arr.setflags(write=False)
     return offsets, mask, logit_rows
+
+
+def build_trie(candidates) -> tuple[list[int], tuple]:
+    """Merge candidate token sequences into a prefix tree.
+
+    Args:
+        candidates: sequences of token ids (any lengths ≥ 1), in priority order.
+
+    Returns:
+        ``(tokens, parents)``: one entry per trie node, parents before children;
+        ``parents[i]`` is −1 for a first token.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict = {}
+    for cand in candidates:
+        parent = -1
+        for tok in cand:
+            key = (parent, int(tok))
+            node = children.get(key)
+            if node is None:
+                node = len(tokens)
+                children[key] = node
+                tokens.append(int(tok))
+                parents.append(parent)
+            parent = node
+    return tokens, tuple(parents)
 
 
 @dataclasses.dataclass
@@ -131,7 +170,8 @@ class StepLayout:
         step_mask: bool [step, step], the step-local mask (cached template).
         logit_rows: int64 [n_logits].
         past_len: tokens in the KV cache.
-        candidates: int64 [C, N−1] verification candidates fed this step.
+        trie_tokens: token of each verification-trie node.
+        trie_parents: parent node of each trie node (−1: follows the last token).
     """
 
     input_ids: np.ndarray
@@ -139,7 +179,8 @@ class StepLayout:
     step_mask: np.ndarray
     logit_rows: np.ndarray
     past_len: int
-    candidates: np.ndarray
+    trie_tokens: list
+    trie_parents: tuple
 
     @property
     def step(self) -> int:
@@ -167,22 +208,50 @@ class Verdict:
     """What one lookahead step decided.
 
     Attributes:
-        accepted: token ids accepted this step, in order (1 ≤ len ≤ N).
+        accepted: token ids accepted this step, in order (≥ 1).
         kept_rows: step rows whose keys/values join the cache (row 0 and the matched
-            candidate tokens), same length as ``accepted``.
+            trie nodes), same length as ``accepted``.
     """
 
     accepted: list[int]
     kept_rows: np.ndarray
 
 
+class HistoryIndex:
+    """Where each short n-gram of the sequence last ended, for prompt-lookup style
+    candidates (Saxena 2023, "Prompt Lookup Decoding"): the continuation after the most
+    recent earlier occurrence of the sequence's longest matching suffix (3, 2, then 1
+    tokens) is a strong guess in answers that repeat their prompt or themselves.
+    """
+
+    MAX_MATCH = 3
+
+    def __init__(self):
+        self.last_end: dict = {}
+        self.indexed = 0  # positions [0, indexed) are in the index
+
+    def lookup(self, sequence: list, length: int) -> list:
+        """Up to ``length`` tokens that followed the latest earlier match of the suffix."""
+        n = len(sequence)
+        for end in range(self.indexed, n - 1):  # index every position but the last
+            for m in range(1, self.MAX_MATCH + 1):
+                if end - m + 1 >= 0:
+                    self.last_end[tuple(sequence[end - m + 1: end + 1])] = end
+        self.indexed = max(self.indexed, n - 1)
+        for m in range(min(self.MAX_MATCH, n), 0, -1):
+            end = self.last_end.get(tuple(sequence[n - m:]))
+            if end is not None:
+                return sequence[end + 1: min(end + 1 + length, n)]
+        return []
+
+
 class LookaheadState:
-    """Window and pool of one generation; builds each step and digests its outputs.
+    """Window, pool and history of one generation; builds each step and digests its outputs.
 
     Args:
-        profile: the (W, N, G) profile.
+        profile: the lookahead profile.
         vocab: vocabulary size.
-        prompt_ids: the prompt's token ids (window initialisation, pool seeding).
+        prompt_ids: the prompt's token ids (window initialisation, pool seeding, history).
         seed: seed of the window's initial draw from the prompt tokens.
     """
 
@@ -197,15 +266,28 @@ class LookaheadState:
         self.window = rng.choice(source, size=(self.levels, profile.window)).astype(np.int64)
         if profile.seed_pool_from_prompt:
             self.pool.insert_sequence(prompt)
+        self.sequence = [int(t) for t in prompt_ids]
+        self.history = HistoryIndex()
         self._layout: StepLayout | None = None
+
+    def candidates(self, last_token: int) -> list:
+        """Verification candidates after ``last_token``: the history-lookup continuation
+        (when the profile has ``lookup`` > 0), then the pool's (N−1)-grams, most recent first."""
+        cands = []
+        if self.profile.lookup and self.sequence and self.sequence[-1] == last_token:
+            found = self.history.lookup(self.sequence, self.profile.lookup)
+            if found:
+                cands.append(found)
+        cands += [list(c) for c in self.pool.candidates(last_token)]
+        return cands
 
     def build_step(self, last_token: int, past_len: int) -> StepLayout:
         """Layout of the next step: ``last_token`` at position ``past_len``, the window,
-        and the pool's candidates keyed by ``last_token``."""
-        cands = self.pool.candidates(last_token)
-        offsets, mask, logit_rows = step_template(self.profile.window, self.levels, len(cands))
-        ids = np.concatenate([[last_token], self.window.reshape(-1), cands.reshape(-1)]).astype(np.int64)
-        self._layout = StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, cands)
+        and the verification trie of :meth:`candidates`."""
+        tokens, parents = build_trie(self.candidates(last_token))
+        offsets, mask, logit_rows = step_template(self.profile.window, self.levels, parents)
+        ids = np.concatenate([[last_token], self.window.reshape(-1), tokens]).astype(np.int64)
+        self._layout = StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents)
         return self._layout
 
     def digest(self, next_ids: np.ndarray) -> Verdict:
@@ -214,37 +296,40 @@ class LookaheadState:
         Args:
             next_ids: int64 [n_logits], argmax at ``logit_rows`` of the last built step.
 
-        Verification: the model's prediction after the last token, ``t``, is always
-        accepted; candidate c matches while its token k equals the prediction made at
-        its token k−1 (``t`` for k = 0); the candidate with the longest match wins (the
-        first one on a tie) and its predictions are accepted too. Then the window's
-        column trajectories plus the last level's predictions go into the pool as
-        n-grams, the levels shift up and the predictions become the last level.
+        Verification (exact): the model's prediction after the last token, ``t``, is
+        always accepted. Walking the trie from its root, a child node is accepted when
+        its token equals the last accepted token's successor prediction; its own
+        prediction is then accepted too. The walk stops when no child matches, so the
+        longest verified prefix among all candidates wins. Then the window's column
+        trajectories plus the last level's predictions go into the pool as n-grams, the
+        levels shift up and the predictions become the last level.
         """
         layout = self._layout
         w, L = self.profile.window, self.levels
+        base = 1 + L * w
+        preds = next_ids[1 + w:]
         t = int(next_ids[0])
-        last_level_pred = next_ids[1: 1 + w]
-        cand_pred = next_ids[1 + w:].reshape(-1, L)
         accepted = [t]
         kept = [0]
-        if len(layout.candidates):
-            expected = np.concatenate([np.full((len(cand_pred), 1), t), cand_pred[:, :-1]], axis=1)
-            run = np.cumprod(layout.candidates == expected, axis=1).sum(axis=1)
-            best = int(np.argmax(run))
-            m = int(run[best])
-            if m:
-                accepted += [int(x) for x in cand_pred[best, :m]]
-                base = 1 + L * w + best * L
-                kept += list(range(base, base + m))
+        children = {(p, tok): i for i, (p, tok) in enumerate(zip(layout.trie_parents, layout.trie_tokens))}
+        node = -1
+        while True:
+            node = children.get((node, accepted[-1]))
+            if node is None:
+                break
+            kept.append(base + node)
+            accepted.append(int(preds[node]))
         # New n-grams: (level 0, …, level L−1, prediction) along each column.
-        grams = np.concatenate([self.window, last_level_pred[None, :]], axis=0)  # [N, W]
+        grams = np.concatenate([self.window, next_ids[1: 1 + w][None, :]], axis=0)  # [N, W]
         for j in range(w):
             self.pool.insert(int(grams[0, j]), grams[1:, j])
         self.window = grams[1:].copy()
         return Verdict(accepted, np.asarray(kept, dtype=np.int64))
 
-    def observe_output(self, tokens) -> None:
-        """Add the n-grams that end in newly accepted output (``tokens`` = the last
-        N−1+k tokens of the sequence, k new) to the pool; they are verified text."""
-        self.pool.insert_sequence(tokens)
+    def observe_output(self, accepted) -> None:
+        """Append newly accepted tokens to the sequence and add the n-grams that end in
+        them to the pool (they are verified text)."""
+        self.sequence += [int(t) for t in accepted]
+        n = self.levels + 1
+        tail = self.sequence[-(n - 1 + len(accepted)):]
+        self.pool.insert_sequence(tail)

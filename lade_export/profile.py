@@ -7,11 +7,15 @@ arXiv 2402.02057):
 * ``W`` (window) — lookahead window width: positions decoded in parallel per level;
 * ``N`` (ngram) — n-gram size; the window keeps N−1 Jacobi levels and every
   verification candidate holds N−1 tokens;
-* ``G`` (guesses) — at most G candidates in the verification branch per step.
+* ``G`` (guesses) — at most G candidates in the verification branch per step;
+* ``K`` (lookup, optional, default 0) — one more candidate of up to K tokens: what
+  followed the latest earlier occurrence of the sequence's suffix in the prompt or the
+  output so far (prompt-lookup style). 0 keeps the paper's algorithm unchanged.
 
-One decode step then feeds ``1 + W·(N−1) + G·(N−1)`` tokens: the last accepted
-token, the W×(N−1) window and up to G candidates of N−1 tokens. ``W = 0`` or ``N = 1``
-is not a lookahead profile; plain greedy decoding is its own mode.
+One decode step then feeds at most ``1 + (W + G)·(N−1) + K`` tokens: the last
+accepted token, the W×(N−1) window and the verification branch (candidates sharing a
+prefix share its tokens, as a trie). ``W = 0`` or ``N = 1`` is not a lookahead profile;
+plain greedy decoding is its own mode.
 
 TOML layout (``profiles/default.toml``)::
 
@@ -21,6 +25,7 @@ TOML layout (``profiles/default.toml``)::
     window = 5                # W ≥ 1
     ngram = 4                 # N ≥ 2
     guesses = 5               # G ≥ 0
+    lookup = 0                # K ≥ 0, optional
     seed_pool_from_prompt = true   # optional
 """
 
@@ -34,7 +39,7 @@ from pathlib import Path
 from .errors import ProfileError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
-_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "seed_pool_from_prompt"}
+_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "seed_pool_from_prompt"}
 _TOP_KEYS = {"name", "description", "lookahead"}
 
 
@@ -48,6 +53,7 @@ class LookaheadProfile:
         guesses: G, maximum verification candidates per step (≥ 0).
         name: a short label used in manifests, engine file names and reports.
         seed_pool_from_prompt: whether the n-gram pool starts with the prompt's own n-grams.
+        lookup: K, tokens of the history-lookup candidate (≥ 0; 0 disables it).
 
     Raises:
         ProfileError: on construction, if a value is not an int or out of range.
@@ -58,18 +64,19 @@ class LookaheadProfile:
     guesses: int
     name: str = "custom"
     seed_pool_from_prompt: bool = True
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ProfileError(
                 f"profile name {self.name!r} must be letters, digits, '.', '_' or '-' (it names engine files)"
             )
-        for key, low in (("window", 1), ("ngram", 2), ("guesses", 0)):
+        for key, low in (("window", 1), ("ngram", 2), ("guesses", 0), ("lookup", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"profile {self.name!r}: {key} must be an integer, got {value!r}")
             if value < low:
-                letter = {"window": "W", "ngram": "N", "guesses": "G"}[key]
+                letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K"}[key]
                 raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
         if not isinstance(self.seed_pool_from_prompt, bool):
             raise ProfileError(
@@ -83,14 +90,14 @@ class LookaheadProfile:
 
     @property
     def max_step(self) -> int:
-        """Largest decode-step length in tokens: 1 + W·(N−1) + G·(N−1)."""
-        return 1 + (self.window + self.guesses) * self.levels
+        """Largest decode-step length in tokens: 1 + (W + G)·(N−1) + K."""
+        return 1 + (self.window + self.guesses) * self.levels + self.lookup
 
     @property
     def max_logit_rows(self) -> int:
         """Rows of logits a decode step reads: the last token, the W last-level window
-        positions and every candidate token, 1 + W + G·(N−1)."""
-        return 1 + self.window + self.guesses * self.levels
+        positions and every verification token, 1 + W + G·(N−1) + K."""
+        return 1 + self.window + self.guesses * self.levels + self.lookup
 
     def as_dict(self) -> dict:
         """Plain-dict form for manifests and reports (includes the derived ``max_step``)."""
@@ -99,6 +106,7 @@ class LookaheadProfile:
             "window": self.window,
             "ngram": self.ngram,
             "guesses": self.guesses,
+            "lookup": self.lookup,
             "seed_pool_from_prompt": self.seed_pool_from_prompt,
             "max_step": self.max_step,
         }
@@ -115,6 +123,7 @@ class LookaheadProfile:
                 window=data["window"],
                 ngram=data["ngram"],
                 guesses=data["guesses"],
+                lookup=data.get("lookup", 0),
                 name=data.get("name", name),
                 seed_pool_from_prompt=data.get("seed_pool_from_prompt", True),
             )
@@ -136,8 +145,9 @@ class LookaheadProfile:
             f"window = {self.window}     # W: lookahead window width",
             f"ngram = {self.ngram}      # N: n-gram size (N-1 Jacobi levels)",
             f"guesses = {self.guesses}    # G: verification candidates per step",
+            f"lookup = {self.lookup}     # K: tokens of the history-lookup candidate (0: off)",
             f"seed_pool_from_prompt = {'true' if self.seed_pool_from_prompt else 'false'}",
-            f"# max step = 1 + (W + G)*(N - 1) = {self.max_step} tokens",
+            f"# max step = 1 + (W + G)*(N - 1) + K = {self.max_step} tokens",
             "",
         ]
         return "\n".join(lines)

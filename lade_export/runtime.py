@@ -253,7 +253,7 @@ class Decoder:
             cache.append(outputs, kept)
             sequence += accepted
             if state is not None:
-                state.observe_output(sequence[-(state.levels + len(accepted)):])
+                state.observe_output(accepted)
         stats.decode_s = time.perf_counter() - t1
         stats.host_s = max(stats.decode_s - engine_s, 0.0)
         stats.new_tokens = len(new)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from lade_export.ngram import LookaheadState, NGramPool, step_template
+from lade_export.ngram import LookaheadState, NGramPool, build_trie, chain_parents, step_template
 from lade_export.profile import LookaheadProfile
 
 # W=2, N=3 (two levels), two candidates: rows are
@@ -24,22 +24,22 @@ HAND_MASK = np.array(
 
 
 def test_mask_positions_and_logit_rows_match_hand_worked_case():
-    offsets, mask, rows = step_template(2, 2, 2)
+    offsets, mask, rows = step_template(2, 2, chain_parents(2, 2))
     assert offsets.tolist() == [0, 1, 2, 2, 3, 1, 2, 1, 2]
     assert np.array_equal(mask, HAND_MASK)
     assert rows.tolist() == [0, 3, 4, 5, 6, 7, 8]
 
 
 def test_every_row_sees_a_contiguous_run_of_positions_ending_at_itself():
-    offsets, mask, _ = step_template(4, 3, 3)
+    offsets, mask, _ = step_template(4, 3, chain_parents(3, 3))
     for r in range(len(offsets)):
         seen = sorted(offsets[mask[r]].tolist())
         assert seen == list(range(offsets[r] + 1)), r
 
 
 def test_templates_are_built_once_and_read_only():
-    a = step_template(2, 2, 2)
-    assert step_template(2, 2, 2) is a
+    a = step_template(2, 2, chain_parents(2, 2))
+    assert step_template(2, 2, (-1, 0, -1, 2)) is a
     assert not a[1].flags.writeable
 
 
@@ -47,7 +47,7 @@ def test_step_layout_feeds_with_past():
     state = LookaheadState(LookaheadProfile(2, 3, 2), vocab=50, prompt_ids=[5, 6, 7, 5, 8, 9])
     layout = state.build_step(last_token=5, past_len=6)
     # the prompt's n-grams keyed by 5: (6,7) then (8,9), most recent first
-    assert layout.candidates.tolist() == [[8, 9], [6, 7]]
+    assert layout.trie_tokens == [8, 9, 6, 7] and layout.trie_parents == (-1, 0, -1, 2)
     feeds = layout.feeds()
     assert feeds["input_ids"].shape == (1, 9)
     assert feeds["input_ids"][0, 0] == 5 and feeds["input_ids"][0, 5:].tolist() == [8, 9, 6, 7]
@@ -94,3 +94,39 @@ def test_digest_without_match_accepts_one_token():
     verdict = state.digest(np.array([9, 1, 2, 3, 4]))
     assert verdict.accepted == [9]
     assert verdict.kept_rows.tolist() == [0]
+
+
+def test_candidates_sharing_a_prefix_share_trie_nodes_and_masks():
+    tokens, parents = build_trie([[4, 5, 6], [4, 5, 7], [4, 8, 9], [3, 1, 2]])
+    assert tokens == [4, 5, 6, 7, 8, 9, 3, 1, 2]
+    assert parents == (-1, 0, 1, 1, 0, 4, -1, 6, 7)
+    offsets, mask, rows = step_template(1, 1, parents)  # W=1, N=2: one window token at row 1
+    base = 2
+    assert offsets[base:].tolist() == [1, 2, 3, 3, 2, 3, 1, 2, 3]
+    # node 3 (token 7) sees row 0, nodes 0, 1 and itself, not its sibling node 2
+    assert np.flatnonzero(mask[base + 3]).tolist() == [0, base + 0, base + 1, base + 3]
+    assert np.flatnonzero(mask[base + 5]).tolist() == [0, base + 0, base + 4, base + 5]
+    assert rows.tolist() == [0, 1] + list(range(base, base + 9))
+
+
+def test_digest_walks_the_trie_to_the_longest_verified_branch():
+    state = LookaheadState(LookaheadProfile(1, 4, 3), vocab=50, prompt_ids=[1])
+    for cand in ([4, 5, 6], [4, 5, 7], [4, 8, 9]):
+        state.pool.insert(3, cand)
+    layout = state.build_step(last_token=3, past_len=1)
+    assert layout.trie_tokens == [4, 8, 9, 5, 7, 6]  # most recent first: (4,8,9), (4,5,7), (4,5,6)
+    # rows: 0 last, 1..3 window (W=1, three levels), 4.. trie; logits at [0, 3, trie...]
+    preds = {0: 4, 4: 5, 5: 0, 6: 0, 7: 7, 8: 11, 9: 0}  # 3 -> 4 -> 5 -> 7 -> 11
+    next_ids = np.array([preds[0], 0] + [preds[r] for r in range(4, 10)])
+    verdict = state.digest(next_ids)
+    assert verdict.accepted == [4, 5, 7, 11]
+    assert verdict.kept_rows.tolist() == [0, 4, 7, 8]
+
+
+def test_history_lookup_proposes_what_followed_the_latest_suffix_match():
+    profile = LookaheadProfile(1, 2, 0, lookup=4)
+    state = LookaheadState(profile, vocab=50, prompt_ids=[1, 7, 8, 9, 10, 11, 2, 7, 8])
+    assert state.candidates(8) == [[9, 10, 11, 2]]
+    state.observe_output([9])
+    assert state.candidates(9) == [[10, 11, 2, 7]]
+    assert profile.max_step == 1 + 1 + 4

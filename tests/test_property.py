@@ -13,11 +13,12 @@ from lade_export.profile import LookaheadProfile
     w=st.integers(1, 6),
     n=st.integers(2, 5),
     g=st.integers(0, 6),
+    k=st.sampled_from([0, 0, 3, 8]),
     max_new=st.integers(1, 48),
 )
-def test_lookahead_equals_greedy_for_random_prompts_and_profiles(stories_decoder, body, w, n, g, max_new):
+def test_lookahead_equals_greedy_for_random_prompts_and_profiles(stories_decoder, body, w, n, g, k, max_new):
     prompt = [1] + body
-    profile = LookaheadProfile(w, n, g)
+    profile = LookaheadProfile(w, n, g, lookup=k)
     greedy = stories_decoder.generate(prompt, max_new, None)
     look = stories_decoder.generate(prompt, max_new, profile)
     assert look.token_ids == greedy.token_ids
