@@ -49,12 +49,16 @@ def file_entries(root: Path, names) -> dict:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON to ``path`` via a temporary file in the same directory and a rename."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to ``path`` via a temporary file in the same directory and a rename."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False)
-            fh.write("\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)

@@ -270,7 +270,10 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
 
     result = decoder.generate(ids, max_new_tokens, profile, on_tokens=stream)
     sys.stdout.write("\n")
-    mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses})" if profile else "greedy"
+    if profile is not None and not profile.enabled:
+        profile = None
+    mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
+        (f", K={profile.lookup})" if profile.lookup else ")") if profile else "greedy"
     click.echo(f"[{mode}] {result.stats.line()}", err=False)
     if check_greedy and profile is not None:
         base = decoder.generate(ids, max_new_tokens, None)
@@ -280,6 +283,126 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
         click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x")
         if not same:
             sys.exit(1)
+
+
+def _open_decoder(artifact_dir, backend, device, dtype, threads):
+    from .artifact import Artifact
+    from .runtime import Decoder
+
+    artifact = Artifact(artifact_dir)
+    tokenizer = artifact.tokenizer()
+    engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
+    return artifact, tokenizer, Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--profile", "profile_values", multiple=True, help="Profiles to compare (repeatable; default: the build's).")
+@click.option("--dataset", "datasets", multiple=True, default=("mt_bench",), show_default=True,
+              help="mt_bench, humaneval, gsm8k or a .jsonl path (repeatable).")
+@click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="Prompts per dataset.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--peer", "peers", multiple=True, type=click.Choice(["transformers-greedy", "transformers-prompt-lookup"]),
+              help="Also run transformers' own generate on the same model and prompts.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for results and summaries.")
+@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32")
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--title", default="", help="Title for summary.md (e.g. the machine).")
+def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers, out, backend, device, dtype, threads,
+            title):
+    """Run greedy and each profile (and peers) on a workload, interleaved; check exactness;
+    write results.jsonl, summary.md/.csv and speedup.png."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .compare import environment, run_compare, summarize, write_outputs
+    from .datasets import load_prompts
+    from .errors import CheckFailedError
+
+    artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, device, dtype, threads)
+    profiles = [resolve_profile(v) for v in profile_values] if profile_values else artifact.profiles()
+    for p in profiles:
+        from .build import check_profiles_fit
+
+        check_profiles_fit([p], artifact.max_context)
+    chat = bool(artifact.manifest["model"].get("chat_template"))
+    counts = [len(load_prompts(d, limit=limit, chat=chat)) for d in datasets]
+    peer_model = None
+    if peers:
+        from .model_source import load_model
+
+        peer_model = load_model(artifact.manifest["source"]["model"]).model
+    total = sum(counts) * (1 + len(profiles) + len(peers))
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("comparing", total=total)
+        records = run_compare(decoder, tokenizer, chat, list(datasets), profiles, limit, max_new_tokens, peers,
+                              peer_model, progress=lambda n: progress.advance(task, n))
+    rows = summarize(records)
+    meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
+            "backend": f"{backend} ({device}, {dtype if backend == 'torch' else 'float32'})",
+            "threads": threads or "default", "datasets": ", ".join(datasets), "limit": limit,
+            "max_new_tokens": max_new_tokens, "command": "lade-export compare " + " ".join(sys.argv[2:])}
+    write_outputs(out, records, rows, meta)
+    table = Table(title=f"compare: {', '.join(datasets)} ({limit} prompts, {max_new_tokens} new tokens max)")
+    for col in ("dataset", "config", "compression", "tok/s", "speedup", "p50 ms/tok", "exact"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["dataset"], r["config"], f"{r['compression_mean']:.2f}", f"{r['decode_tok_s']:.1f}",
+                      f"{r['speedup_vs_greedy']:.2f}x", f"{r['p50_ms_per_token']:.1f}", f"{r['exact']}/{r['prompts']}")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv, speedup.png")
+    bad = [r for r in records if not r.exact and r.config not in ("transformers-greedy",)]
+    if bad:
+        first = bad[0]
+        raise CheckFailedError(f"{len(bad)} output(s) differ from {first.reference}: first {first.config} on "
+                               f"{first.dataset} prompt {first.prompt_id}")
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--dataset", default="mt_bench", show_default=True, help="mt_bench, humaneval, gsm8k or a .jsonl path.")
+@click.option("--limit", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Prompts: the first half measures the grid, the rest verifies the winner.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")
+@click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K]", help="Grid entries instead of --grid.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("profiles/tuned.toml"), show_default=True)
+@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+def tune(artifact_dir, dataset, limit, max_new_tokens, grid, candidates, out, backend, threads):
+    """Measure the step-cost curve and a grid of profiles, keep the fastest measured one
+    that also beats greedy on held-out prompts, and write it as a profile TOML."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from .artifact import write_text_atomic
+    from .compare import environment
+    from .datasets import load_prompts
+    from .tune import grid_profiles
+    from .tune import tune as run_tune
+
+    profiles = grid_profiles(list(candidates) if candidates else grid)
+    artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, "cpu", "float32", threads)
+    chat = bool(artifact.manifest["model"].get("chat_template"))
+    prompts = [encode_prompt(tokenizer, p.text, chat) for p in load_prompts(dataset, limit=limit, chat=chat)]
+    half = (len(prompts) + 1) // 2
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("tuning", total=half * len(profiles) + (len(prompts) - half))
+        result = run_tune(decoder, prompts, profiles, max_new_tokens, progress=lambda n: progress.advance(task, n))
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True)
+    write_text_atomic(out, result.toml(dataset, environment()))
+    b, h = result.best, result.held_out
+    click.echo(f"best on sample: {b.profile.name} (compression {b.compression:.2f}, speedup {b.speedup:.2f}x); "
+               f"held out: compression {h.compression:.2f}, speedup {h.speedup:.2f}x")
+    if result.chosen.enabled:
+        click.echo(f"wrote {out}: W={result.chosen.window} N={result.chosen.ngram} G={result.chosen.guesses} "
+                   f"K={result.chosen.lookup}")
+    else:
+        click.echo(f"no profile beat greedy on this machine; wrote the greedy setting to {out}")
 
 
 @main.command()

@@ -39,7 +39,7 @@ from pathlib import Path
 from .errors import ProfileError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
-_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "seed_pool_from_prompt"}
+_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "enabled", "seed_pool_from_prompt"}
 _TOP_KEYS = {"name", "description", "lookahead"}
 
 
@@ -54,6 +54,8 @@ class LookaheadProfile:
         name: a short label used in manifests, engine file names and reports.
         seed_pool_from_prompt: whether the n-gram pool starts with the prompt's own n-grams.
         lookup: K, tokens of the history-lookup candidate (≥ 0; 0 disables it).
+        enabled: False makes this the plain greedy setting (what ``tune`` writes when no
+            profile beats greedy on the machine); W, N, G are then ignored.
 
     Raises:
         ProfileError: on construction, if a value is not an int or out of range.
@@ -65,6 +67,7 @@ class LookaheadProfile:
     name: str = "custom"
     seed_pool_from_prompt: bool = True
     lookup: int = 0
+    enabled: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -78,6 +81,8 @@ class LookaheadProfile:
             if value < low:
                 letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K"}[key]
                 raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
+        if not isinstance(self.enabled, bool):
+            raise ProfileError(f"profile {self.name!r}: enabled must be true or false, got {self.enabled!r}")
         if not isinstance(self.seed_pool_from_prompt, bool):
             raise ProfileError(
                 f"profile {self.name!r}: seed_pool_from_prompt must be true or false, got {self.seed_pool_from_prompt!r}"
@@ -90,13 +95,17 @@ class LookaheadProfile:
 
     @property
     def max_step(self) -> int:
-        """Largest decode-step length in tokens: 1 + (W + G)·(N−1) + K."""
+        """Largest decode-step length in tokens: 1 + (W + G)·(N−1) + K (1 when disabled)."""
+        if not self.enabled:
+            return 1
         return 1 + (self.window + self.guesses) * self.levels + self.lookup
 
     @property
     def max_logit_rows(self) -> int:
         """Rows of logits a decode step reads: the last token, the W last-level window
-        positions and every verification token, 1 + W + G·(N−1) + K."""
+        positions and every verification token, 1 + W + G·(N−1) + K (1 when disabled)."""
+        if not self.enabled:
+            return 1
         return 1 + self.window + self.guesses * self.levels + self.lookup
 
     def as_dict(self) -> dict:
@@ -107,6 +116,7 @@ class LookaheadProfile:
             "ngram": self.ngram,
             "guesses": self.guesses,
             "lookup": self.lookup,
+            "enabled": self.enabled,
             "seed_pool_from_prompt": self.seed_pool_from_prompt,
             "max_step": self.max_step,
         }
@@ -124,6 +134,7 @@ class LookaheadProfile:
                 ngram=data["ngram"],
                 guesses=data["guesses"],
                 lookup=data.get("lookup", 0),
+                enabled=data.get("enabled", True),
                 name=data.get("name", name),
                 seed_pool_from_prompt=data.get("seed_pool_from_prompt", True),
             )
@@ -146,6 +157,7 @@ class LookaheadProfile:
             f"ngram = {self.ngram}      # N: n-gram size (N-1 Jacobi levels)",
             f"guesses = {self.guesses}    # G: verification candidates per step",
             f"lookup = {self.lookup}     # K: tokens of the history-lookup candidate (0: off)",
+            f"enabled = {'true' if self.enabled else 'false'}  # false: plain greedy decoding",
             f"seed_pool_from_prompt = {'true' if self.seed_pool_from_prompt else 'false'}",
             f"# max step = 1 + (W + G)*(N - 1) + K = {self.max_step} tokens",
             "",

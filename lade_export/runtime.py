@@ -191,6 +191,8 @@ class Decoder:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {len(prompt) + max_new_tokens} "
                 f"exceeds the model's context of {self.max_context} tokens"
             )
+        if profile is not None and not profile.enabled:
+            profile = None  # the greedy setting
         stats = GenerationStats(prompt_tokens=len(prompt))
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens)
         t0 = time.perf_counter()

@@ -1,0 +1,270 @@
+"""Side-by-side comparison runs: plain greedy, lookahead profiles and optional
+transformers peers on the same prompts, interleaved prompt by prompt.
+
+Interleaving means machine drift (thermal, other load) hits every configuration alike.
+Every lookahead configuration's output is checked token for token against plain greedy
+on the same engine; the transformers prompt-lookup peer is checked against the
+transformers greedy peer (or against the engine's greedy when that peer is absent).
+
+Outputs in ``--out``: ``results.jsonl`` (one record per prompt × configuration),
+``summary.md`` and ``summary.csv`` (per dataset × configuration), ``speedup.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+GREEDY = "greedy"
+PEERS = ("transformers-greedy", "transformers-prompt-lookup")
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """One prompt × configuration. Times in seconds; ``exact`` against the reference greedy."""
+
+    dataset: str
+    prompt_id: str
+    config: str
+    prompt_tokens: int
+    new_tokens: int
+    steps: int
+    prefill_s: float
+    decode_s: float
+    acceptance_histogram: dict
+    exact: bool
+    reference: str
+    token_ids: list
+
+    def as_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["compression_ratio"] = self.new_tokens / self.steps if self.steps else 0.0
+        return d
+
+
+class _FirstTokenClock:
+    """transformers streamer that notes when the first new token arrives (end of prefill)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def run_peer(model, name: str, prompt_ids: list, max_new_tokens: int, stop_ids: list) -> dict:
+    """Run a transformers ``generate`` peer; returns new ids, prefill/decode seconds, steps.
+
+    Decode time runs from the first new token to the end (the peer's prefill emits the
+    first token), so decode tokens are ``new − 1``.
+    """
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids or None,
+                  pad_token_id=(stop_ids or [0])[0], attention_mask=torch.ones_like(ids))
+    if name == "transformers-prompt-lookup":
+        kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    clock = _FirstTokenClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, streamer=clock, **kwargs)
+    t1 = time.perf_counter()
+    new = out[0, len(prompt_ids):].tolist()
+    first = clock.first or t1
+    # forward passes: one streamer call per pass after the prompt (the prefill pass emits the first token)
+    return {"token_ids": new, "prefill_s": first - t0, "decode_s": t1 - first, "steps": max(clock.calls - 1, 1)}
+
+
+def _pct(values, q):
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def summarize(records: list[RunRecord]) -> list[dict]:
+    """Per dataset × configuration: compression mean/median, decode tok/s, speedup vs
+    greedy (ratio of total decode times), p50/p90 decode time per token (ms), exact count."""
+    rows = []
+    keys = []
+    for r in records:
+        if (r.dataset, r.config) not in keys:
+            keys.append((r.dataset, r.config))
+    for dataset, config in keys:
+        mine = [r for r in records if r.dataset == dataset and r.config == config]
+        base = [r for r in records if r.dataset == dataset and r.config == GREEDY]
+        peer = config in PEERS
+        # Peers emit their first token in prefill; count decode tokens as new − 1 for them.
+        tokens = sum(max(r.new_tokens - (1 if peer else 0), 0) for r in mine)
+        decode = sum(r.decode_s for r in mine)
+        base_decode = sum(r.decode_s for r in base)
+        base_tokens = sum(r.new_tokens for r in base)
+        comp = [r.new_tokens / r.steps for r in mine if r.steps]
+        per_tok = [1000 * r.decode_s / max(r.new_tokens - (1 if peer else 0), 1) for r in mine]
+        tok_s = tokens / decode if decode else 0.0
+        base_tok_s = base_tokens / base_decode if base_decode else 0.0
+        rows.append({
+            "dataset": dataset,
+            "config": config,
+            "prompts": len(mine),
+            "new_tokens": sum(r.new_tokens for r in mine),
+            "compression_mean": float(np.mean(comp)) if comp else 0.0,
+            "compression_median": float(np.median(comp)) if comp else 0.0,
+            "decode_tok_s": tok_s,
+            "speedup_vs_greedy": (tok_s / base_tok_s) if peer and base_tok_s else
+            (base_decode / decode if decode else 0.0),
+            "p50_ms_per_token": _pct(per_tok, 50),
+            "p90_ms_per_token": _pct(per_tok, 90),
+            "exact": sum(r.exact for r in mine),
+        })
+    return rows
+
+
+def environment() -> dict:
+    """Date, CPU model, core count and versions, for the record of a benchmark."""
+    import onnxruntime
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    from . import __version__
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "transformers": transformers.__version__, "lade_export": __version__}
+
+
+def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: dict) -> None:
+    """Write results.jsonl, summary.csv, summary.md and speedup.png into ``out`` (atomically per file)."""
+    from .artifact import write_text_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "results.jsonl", "".join(json.dumps(r.as_json()) + "\n" for r in records))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0].keys()))
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
+    write_text_atomic(out / "summary.csv", buf.getvalue())
+    write_text_atomic(out / "summary.md", render_markdown(rows, meta))
+    plot_summary(rows, out / "speedup.png")
+
+
+def render_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# lade-export compare — {meta.get('title', '')}".rstrip(" —"), ""]
+    for k in ("date", "cpu", "cores", "artifact", "model", "backend", "threads", "datasets", "limit", "max_new_tokens",
+              "python", "torch", "onnxruntime", "transformers", "lade_export", "command"):
+        if k in meta:
+            lines.append(f"- **{k}**: {meta[k]}")
+    lines += ["", "Speedup = total greedy decode time / total decode time of the configuration (same prompts, same "
+              "tokens when exact); peers: decode tokens/s ratio. Compression = new tokens per forward pass.", "",
+              "| dataset | configuration | prompts | compression mean | median | decode tok/s | speedup vs greedy | "
+              "p50 ms/token | p90 ms/token | exact |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['dataset']} | {r['config']} | {r['prompts']} | {r['compression_mean']:.2f} | "
+                     f"{r['compression_median']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_greedy']:.2f}× | "
+                     f"{r['p50_ms_per_token']:.1f} | {r['p90_ms_per_token']:.1f} | {r['exact']}/{r['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_summary(rows: list[dict], path: Path) -> None:
+    """Grouped bars: speedup vs greedy and compression per configuration, one group per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(configs), 1)
+    for ax, key, title in ((axes[0], "speedup_vs_greedy", "decode speedup vs greedy (×)"),
+                           (axes[1], "compression_mean", "compression (tokens per forward pass)")):
+        for i, config in enumerate(configs):
+            vals = [next((r[key] for r in rows if r["dataset"] == d and r["config"] == config), 0.0) for d in datasets]
+            ax.bar(np.arange(len(datasets)) + i * width, vals, width, label=config)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(np.arange(len(datasets)) + width * (len(configs) - 1) / 2, datasets)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: list, limit: int, max_new_tokens: int,
+                peers=(), peer_model=None, progress=None) -> list[RunRecord]:
+    """Run greedy, every profile and every peer on each prompt, interleaved.
+
+    Args:
+        decoder: a :class:`lade_export.runtime.Decoder` on the engine under test.
+        tokenizer: its tokenizer; ``chat`` wraps prompts in the chat template.
+        datasets: names or JSONL paths (see :func:`lade_export.datasets.load_prompts`).
+        profiles: lookahead profiles.
+        limit: prompts per dataset; max_new_tokens: per generation.
+        peers: names from :data:`PEERS`; ``peer_model`` is the transformers model they run.
+        progress: optional ``callable(advance_by)``.
+
+    Returns:
+        every :class:`RunRecord`, in run order.
+    """
+    from .cli import encode_prompt
+    from .datasets import load_prompts
+
+    records = []
+    stop_ids = sorted(decoder.stop_token_ids)
+    for dataset in datasets:
+        for prompt in load_prompts(dataset, limit=limit, chat=chat):
+            ids = encode_prompt(tokenizer, prompt.text, chat)
+            budget = min(max_new_tokens, decoder.max_context - len(ids))
+            base = decoder.generate(ids, budget, None)
+            label = prompt.dataset
+
+            def record(config, res_ids, steps, prefill, decode, hist, exact, reference):
+                records.append(RunRecord(label, prompt.id, config, len(ids), len(res_ids), steps, prefill, decode, hist,
+                                         exact, reference, list(res_ids)))
+                if progress:
+                    progress(1)
+
+            s = base.stats
+            record(GREEDY, base.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"], True,
+                   GREEDY)
+            for profile in profiles:
+                res = decoder.generate(ids, budget, profile)
+                s = res.stats
+                record(profile.name, res.token_ids, s.steps, s.prefill_s, s.decode_s,
+                       s.as_dict()["acceptance_histogram"], res.token_ids == base.token_ids, GREEDY)
+            peer_greedy = None
+            for peer in peers:
+                out = run_peer(peer_model, peer, ids, budget, stop_ids)
+                if peer == "transformers-greedy":
+                    peer_greedy = out["token_ids"]
+                reference = "transformers-greedy" if peer != "transformers-greedy" and peer_greedy is not None else GREEDY
+                ref_ids = peer_greedy if reference == "transformers-greedy" else base.token_ids
+                record(peer, out["token_ids"], out["steps"], out["prefill_s"], out["decode_s"],
+                       {}, out["token_ids"] == ref_ids, reference)
+    return records
