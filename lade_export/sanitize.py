@@ -14,6 +14,19 @@ from pathlib import Path
 from .errors import BackendUnavailableError
 
 
+def slim_model(model):
+    """Constant-fold, drop dead nodes and infer shapes of an in-memory ONNX model (onnxslim).
+
+    Raises:
+        BackendUnavailableError: onnxslim is not installed.
+    """
+    try:
+        import onnxslim
+    except ImportError:
+        raise BackendUnavailableError("graph slimming needs onnxslim: pip install onnxslim") from None
+    return onnxslim.slim(model)
+
+
 def sanitize_onnx(src: str | Path, dst: str | Path, external_data_threshold_bytes: int = 64 << 20) -> dict:
     """Write a folded, shape-inferred copy of the step graph ``src`` to ``dst``.
 
@@ -26,14 +39,10 @@ def sanitize_onnx(src: str | Path, dst: str | Path, external_data_threshold_byte
     """
     import onnx
 
-    try:
-        import onnxslim
-    except ImportError:
-        raise BackendUnavailableError("graph sanitizing needs onnxslim: pip install 'lade-export[tensorrt]'") from None
     src, dst = Path(src), Path(dst)
     model = onnx.load(str(src))
     before = len(model.graph.node)
-    slim = onnxslim.slim(model)
+    slim = slim_model(model)
     after = len(slim.graph.node)
     size = sum(len(t.raw_data) for t in slim.graph.initializer)
     if size > external_data_threshold_bytes:
