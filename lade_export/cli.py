@@ -367,12 +367,14 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 @click.option("--limit", type=click.IntRange(min=2), default=8, show_default=True,
               help="Prompts: the first half measures the grid, the rest verifies the winner.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Skip the first N prompts (tune on prompts a comparison does not use).")
 @click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")
 @click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K]", help="Grid entries instead of --grid.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("profiles/tuned.toml"), show_default=True)
 @click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
-def tune(artifact_dir, dataset, limit, max_new_tokens, grid, candidates, out, backend, threads):
+def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, out, backend, threads):
     """Measure the step-cost curve and a grid of profiles, keep the fastest measured one
     that also beats greedy on held-out prompts, and write it as a profile TOML."""
     from rich.console import Console
@@ -387,14 +389,16 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, grid, candidates, out, ba
     profiles = grid_profiles(list(candidates) if candidates else grid)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, "cpu", "float32", threads)
     chat = bool(artifact.manifest["model"].get("chat_template"))
-    prompts = [encode_prompt(tokenizer, p.text, chat) for p in load_prompts(dataset, limit=limit, chat=chat)]
+    prompts = [encode_prompt(tokenizer, p.text, chat) for p in load_prompts(dataset, limit=limit, chat=chat, skip=skip)]
     half = (len(prompts) + 1) // 2
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("tuning", total=half * len(profiles) + (len(prompts) - half))
         result = run_tune(decoder, prompts, profiles, max_new_tokens, progress=lambda n: progress.advance(task, n))
+    result.name = out.stem if out.stem.replace("-", "").replace("_", "").isalnum() else "tuned"
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True)
-    write_text_atomic(out, result.toml(dataset, environment()))
+    write_text_atomic(out, result.toml(f"{dataset} (prompts {skip}..{skip + len(prompts) - 1}, "
+                                       f"{max_new_tokens} new tokens)", environment()))
     b, h = result.best, result.held_out
     click.echo(f"best on sample: {b.profile.name} (compression {b.compression:.2f}, speedup {b.speedup:.2f}x); "
                f"held out: compression {h.compression:.2f}, speedup {h.speedup:.2f}x")

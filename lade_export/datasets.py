@@ -54,10 +54,11 @@ def _records(path: Path):
         raise GenerationError(f"cannot read dataset {path}: {err}") from None
 
 
-def load_prompts(name: str, limit: int | None = None, chat: bool = True) -> list[Prompt]:
+def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: int = 0) -> list[Prompt]:
     """Prompts of a named dataset (``mt_bench``, ``humaneval``, ``gsm8k``) or a JSONL path.
 
-    MT-Bench gives the first turn; GSM8K the question; HumanEval the code to complete,
+    ``skip`` drops that many leading records (e.g. to tune on prompts a comparison does
+    not use). MT-Bench gives the first turn; GSM8K the question; HumanEval the code to complete,
     prefixed for chat models with an instruction to complete the function.
 
     Raises:
@@ -75,6 +76,8 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True) -> list
     for i, rec in enumerate(_records(path)):
         if limit is not None and len(prompts) >= limit:
             break
+        if i < skip:
+            continue
         if not isinstance(rec, dict):
             raise GenerationError(f"{path} record {i}: expected a JSON object")
         if "turns" in rec:

@@ -117,6 +117,7 @@ class TuneResult:
     best: Trial
     held_out: Trial
     chosen: LookaheadProfile
+    name: str = "tuned"
 
     def toml(self, dataset: str, env: dict) -> str:
         """The chosen profile as TOML, with the measurements as comments."""
@@ -134,7 +135,7 @@ class TuneResult:
                       f"speedup {h.speedup:.2f}x over {h.new_tokens} tokens"]
         if not self.chosen.enabled:
             lines.append("no profile beat greedy on this machine: this file is the greedy setting")
-        chosen = dataclasses.replace(self.chosen, name="tuned")
+        chosen = dataclasses.replace(self.chosen, name=self.name)
         return chosen.to_toml(description=f"tuned for {dataset}", comments="\n".join(lines))
 
 
