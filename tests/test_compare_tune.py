@@ -1,0 +1,95 @@
+"""``compare`` and ``tune`` on stories260K: files, exactness column, chosen profile."""
+
+import csv
+import json
+
+from click.testing import CliRunner
+
+from lade_export.cli import main
+from lade_export.profile import load_profile
+
+
+def _prompts(tmp_path):
+    f = tmp_path / "stories.jsonl"
+    texts = ["Once upon a time", "Tom and Sue went to the beach.", "The little dog", "One day, a girl named Lily",
+             "The sun was shining", "Ben had a red ball"]
+    f.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return f
+
+
+def test_compare_writes_results_and_every_output_is_exact(tmp_path, stories_artifact):
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "default", "--profile", "small",
+                                       "--dataset", str(_prompts(tmp_path)), "--limit", "4", "--max-new-tokens", "48",
+                                       "--peer", "transformers-greedy", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["results.jsonl", "speedup.png", "summary.csv", "summary.md"]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 4 * 4  # prompts × (greedy, default, small, transformers-greedy)
+    assert [r["config"] for r in records[:4]] == ["greedy", "default", "small", "transformers-greedy"]
+    assert all(r["exact"] for r in records)
+    greedy = {r["prompt_id"]: r["token_ids"] for r in records if r["config"] == "greedy"}
+    assert all(r["token_ids"] == greedy[r["prompt_id"]] for r in records)
+    assert all(r["new_tokens"] == 48 for r in records)
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["config"] for r in rows] == ["greedy", "default", "small", "transformers-greedy"]
+    assert [r["exact"] for r in rows] == ["4", "4", "4", "4"]
+    assert float(rows[0]["speedup_vs_greedy"]) == 1.0 and float(rows[0]["compression_mean"]) == 1.0
+    assert float(rows[1]["compression_mean"]) > 1.0
+    md = (out / "summary.md").read_text()
+    assert "| stories | default | 4 |" in md and "4/4 |" in md
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_reports_a_mismatch_and_fails(tmp_path, stories_artifact, monkeypatch):
+    from lade_export import ngram
+
+    real = ngram.LookaheadState.digest
+
+    def broken(self, next_ids):  # accept one wrong token on the first step: output must no longer be exact
+        verdict = real(self, next_ids)
+        if not getattr(self, "_broke", False):
+            self._broke = True
+            verdict.accepted[0] = (verdict.accepted[0] + 1) % 512
+        return verdict
+
+    monkeypatch.setattr(ngram.LookaheadState, "digest", broken)
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset",
+                                       str(_prompts(tmp_path)), "--limit", "2", "--max-new-tokens", "16",
+                                       "--out", str(out)])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: 2 output(s) differ from greedy: first small on stories prompt 0")
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["exact"] for r in rows] == ["2", "0"]
+
+
+def test_tune_with_a_tiny_grid_writes_a_loadable_profile(tmp_path, stories_artifact):
+    out = tmp_path / "tuned.toml"
+    result = CliRunner().invoke(main, ["tune", str(stories_artifact), "--dataset", str(_prompts(tmp_path)), "--limit",
+                                       "4", "--max-new-tokens", "32", "--grid", "tiny", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "# step-cost curve (one forward pass, past = 256):" in text
+    assert "#   W=1 N=2 G=1 K=0: compression" in text and "#   W=2 N=3 G=2 K=4: compression" in text
+    assert "# held-out check of " in text
+    profile = load_profile(out)
+    assert profile.name == "tuned"
+    if profile.enabled:
+        assert (profile.window, profile.ngram, profile.guesses, profile.lookup) in ((1, 2, 1, 0), (2, 3, 2, 4))
+        assert "wrote" in result.stdout and "speedup" in result.stdout
+    else:
+        assert "no profile beat greedy on this machine" in result.stdout
+        assert "this file is the greedy setting" in text
+
+
+def test_greedy_setting_decodes_like_greedy(stories_decoder, reference_greedy):
+    from lade_export.profile import LookaheadProfile
+
+    case = reference_greedy["cases"][0]
+    off = LookaheadProfile(3, 4, 2, enabled=False)
+    assert off.max_step == 1
+    result = stories_decoder.generate(case["prompt_ids"], 32, off)
+    assert result.token_ids == case["greedy_ids"][:32]
+    assert result.stats.steps == 32
