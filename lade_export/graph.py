@@ -157,15 +157,11 @@ def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: i
 
     Returns a dict keyed by input name (random token ids and random cache, fixed ``seed``).
     """
+    from .ngram import causal_feeds
+
     rng = np.random.default_rng(seed)
-    total = past + step
-    mask = np.tril(np.ones((step, total), dtype=bool), k=past)
-    feeds = {
-        "input_ids": rng.integers(0, dims.vocab, size=(batch, step), dtype=np.int64),
-        "position_ids": np.broadcast_to(np.arange(past, total, dtype=np.int64), (batch, step)).copy(),
-        "attention_mask": np.broadcast_to(mask, (batch, 1, step, total)).copy(),
-        "logits_positions": np.broadcast_to(np.arange(step, dtype=np.int64), (batch, step)).copy(),
-    }
+    one = causal_feeds(rng.integers(0, dims.vocab, size=step), past, logit_rows=np.arange(step))
+    feeds = {name: np.repeat(value, batch, axis=0) for name, value in one.items()}
     for i in range(dims.num_layers):
         for name in (past_key_name(i), past_value_name(i)):
             feeds[name] = rng.standard_normal((batch, dims.kv_heads, past, dims.head_dim)).astype(dtype)
@@ -324,18 +320,11 @@ def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[t
     non-contiguous positions. The cache comes from running the PyTorch step on the prompt
     (filled in by :func:`check_parity`), so it holds real keys and values.
     """
-    from .ngram import LookaheadState
+    from .ngram import LookaheadState, causal_feeds
 
     ids = np.asarray(prompt_ids, dtype=np.int64)
-    cases = []
     p = len(ids)
-    step_prefill = {
-        "input_ids": ids[None, :],
-        "position_ids": np.arange(p, dtype=np.int64)[None, :],
-        "attention_mask": np.tril(np.ones((p, p), dtype=bool))[None, None],
-        "logits_positions": np.arange(p, dtype=np.int64)[None, :],
-    }
-    cases.append(("prefill", step_prefill))
+    cases = [("prefill", causal_feeds(ids, 0, logit_rows=np.arange(p)))]
     if profile is not None:
         state = LookaheadState(profile, dims.vocab, prompt_ids=list(prompt_ids[:-1]))
         # Fill the verification branch for the last token, so all three parts are fed.
@@ -343,12 +332,7 @@ def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[t
             state.pool.insert(int(ids[-1]), np.roll(ids, g + 1)[: profile.levels])
         layout = state.build_step(last_token=int(ids[-1]), past_len=p - 1)
         cases.append((f"lookahead W{profile.window} N{profile.ngram} G{profile.guesses}", layout.feeds(batch=1)))
-    cases.append(("greedy", {
-        "input_ids": ids[None, -1:],
-        "position_ids": np.array([[p - 1]], dtype=np.int64),
-        "attention_mask": np.ones((1, 1, 1, p), dtype=bool),
-        "logits_positions": np.zeros((1, 1), dtype=np.int64),
-    }))
+    cases.append(("greedy", causal_feeds(ids[-1:], p - 1)))
     return cases
 
 
@@ -363,20 +347,15 @@ def reference_cases(step_module: DecoderStep, prompt_ids: list[int], profile=Non
     Returns:
         ``[(label, feeds)]`` with numpy feeds keyed by input name.
     """
+    from .ngram import causal_feeds
+
     d = step_module.dims
     empty = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
     past_feeds = {n: empty for i in range(d.num_layers) for n in (past_key_name(i), past_value_name(i))}
     prefix = np.asarray(prompt_ids[:-1], dtype=np.int64)
     real_past = dict(past_feeds)
     if len(prefix):
-        pre = {
-            "input_ids": prefix[None, :],
-            "position_ids": np.arange(len(prefix), dtype=np.int64)[None, :],
-            "attention_mask": np.tril(np.ones((len(prefix), len(prefix)), dtype=bool))[None, None],
-            "logits_positions": np.zeros((1, 1), dtype=np.int64),
-            **past_feeds,
-        }
-        out = run_torch_step(step_module, pre)
+        out = run_torch_step(step_module, {**causal_feeds(prefix, 0), **past_feeds})
         for i in range(d.num_layers):
             real_past[past_key_name(i)] = out[present_key_name(i)]
             real_past[past_value_name(i)] = out[present_value_name(i)]

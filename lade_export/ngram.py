@@ -9,8 +9,8 @@ Step layout (feed order), with ``p`` = tokens already in the KV cache, ``L = N �
     row 0                         last accepted token            position p
     rows 1 + l·W + j              window level l, column j       position p + 1 + l + j
                                   (l in 0..L−1, j in 0..W−1)
-    rows 1 + L·W + c·L + k        candidate c, token k           position p + 1 + k
-                                  (c in 0..C−1, k in 0..L−1)
+    rows 1 + L·W + i              verification trie node i       position p + 1 + depth(i)
+                                  (the candidates merged by shared prefix)
 
 Mask (over this step's columns; every cached column is visible to every row):
 
@@ -18,10 +18,12 @@ Mask (over this step's columns; every cached column is visible to every row):
 * window token (l, j) sees row 0, level-0 tokens of columns 0..j, and the tokens of
   levels 1..l in its own column j — exactly the tokens at positions p .. p+1+l+j, so
   each column's levels form one n-gram trajectory (the paper's Fig. 2(b));
-* candidate token (c, k) sees row 0 and candidate c's tokens 0..k.
+* trie node i sees row 0, its ancestors and itself (so a candidate token sees exactly
+  the candidate's earlier tokens, as with one branch per candidate, but shared prefixes
+  are fed once).
 
 Logits are read at row 0, at the W last-level window rows (they extend each column's
-trajectory to a full n-gram and become the next level), and at every candidate row.
+trajectory to a full n-gram and become the next level), and at every trie node.
 """
 
 from __future__ import annotations
@@ -86,6 +88,29 @@ class NGramPool:
 
     def __len__(self) -> int:
         return int(np.count_nonzero(self.stamp))
+
+
+def causal_feeds(token_ids, past_len: int, logit_rows=None) -> dict:
+    """Feeds (without the KV cache) of a plain causal step: prefill or a greedy step.
+
+    Args:
+        token_ids: the step's tokens, in order (positions ``past_len`` onward).
+        past_len: tokens already in the cache (all visible to every row).
+        logit_rows: rows whose logits to compute (default: the last row only).
+
+    Returns:
+        batch-1 numpy feeds: int64 ids/positions [1, step], bool mask [1, 1, step, past+step]
+        (lower-triangular over this step), int64 logits_positions [1, n_logits].
+    """
+    ids = np.asarray(token_ids, dtype=np.int64)
+    step = len(ids)
+    rows = np.asarray([step - 1] if logit_rows is None else logit_rows, dtype=np.int64)
+    return {
+        "input_ids": ids[None],
+        "position_ids": np.arange(past_len, past_len + step, dtype=np.int64)[None],
+        "attention_mask": np.tril(np.ones((step, past_len + step), dtype=bool), k=past_len)[None, None],
+        "logits_positions": rows[None],
+    }
 
 
 def chain_parents(n_candidates: int, levels: int) -> tuple:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .graph import ModelDims
-from .ngram import LookaheadState
+from .ngram import LookaheadState, causal_feeds
 from .profile import LookaheadProfile
 from .specs import past_key_name, past_value_name, present_key_name, present_value_name
 
@@ -197,15 +197,7 @@ class Decoder:
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens)
         t0 = time.perf_counter()
         if len(prompt) > 1:
-            n = len(prompt) - 1
-            feeds = {
-                "input_ids": np.asarray([prompt[:-1]], dtype=np.int64),
-                "position_ids": np.arange(n, dtype=np.int64)[None],
-                "attention_mask": np.tril(np.ones((n, n), dtype=bool))[None, None],
-                "logits_positions": np.zeros((1, 1), dtype=np.int64),
-                **self._empty_past(),
-            }
-            cache.append(self.engine.run(feeds))
+            cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **self._empty_past()}))
         stats.prefill_s = time.perf_counter() - t0
 
         state = LookaheadState(profile, self.dims.vocab, prompt) if profile else None
@@ -219,12 +211,7 @@ class Decoder:
             last = sequence[-1]
             past = cache.length
             if state is None:
-                feeds = {
-                    "input_ids": np.asarray([[last]], dtype=np.int64),
-                    "position_ids": np.asarray([[past]], dtype=np.int64),
-                    "attention_mask": np.ones((1, 1, 1, past + 1), dtype=bool),
-                    "logits_positions": np.zeros((1, 1), dtype=np.int64),
-                }
+                feeds = causal_feeds([last], past)
             else:
                 feeds = state.build_step(last, past).feeds()
             feeds.update(cache.feeds())
