@@ -43,6 +43,7 @@ class RunRecord:
     exact: bool
     reference: str
     token_ids: list
+    host_s: float = 0.0
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -128,6 +129,7 @@ def summarize(records: list[RunRecord]) -> list[dict]:
             "p50_ms_per_token": _pct(per_tok, 50),
             "p90_ms_per_token": _pct(per_tok, 90),
             "exact": sum(r.exact for r in mine),
+            "host_share": (sum(r.host_s for r in mine) / decode) if decode and not peer else 0.0,
         })
     return rows
 
@@ -180,12 +182,14 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", "Speedup = total greedy decode time / total decode time of the configuration (same prompts, same "
               "tokens when exact); peers: decode tokens/s ratio. Compression = new tokens per forward pass.", "",
               "| dataset | configuration | prompts | compression mean | median | decode tok/s | speedup vs greedy | "
-              "p50 ms/token | p90 ms/token | exact |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "p50 ms/token | p90 ms/token | host share | exact |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        host = "—" if r["config"] in PEERS else f"{100 * r['host_share']:.1f}%"
         lines.append(f"| {r['dataset']} | {r['config']} | {r['prompts']} | {r['compression_mean']:.2f} | "
                      f"{r['compression_median']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_greedy']:.2f}× | "
-                     f"{r['p50_ms_per_token']:.1f} | {r['p90_ms_per_token']:.1f} | {r['exact']}/{r['prompts']} |")
+                     f"{r['p50_ms_per_token']:.1f} | {r['p90_ms_per_token']:.1f} | {host} | "
+                     f"{r['exact']}/{r['prompts']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -244,20 +248,20 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
             base = decoder.generate(ids, budget, None)
             label = prompt.dataset
 
-            def record(config, res_ids, steps, prefill, decode, hist, exact, reference):
+            def record(config, res_ids, steps, prefill, decode, hist, exact, reference, host=0.0):
                 records.append(RunRecord(label, prompt.id, config, len(ids), len(res_ids), steps, prefill, decode, hist,
-                                         exact, reference, list(res_ids)))
+                                         exact, reference, list(res_ids), host))
                 if progress:
                     progress(1)
 
             s = base.stats
             record(GREEDY, base.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"], True,
-                   GREEDY)
+                   GREEDY, s.host_s)
             for profile in profiles:
                 res = decoder.generate(ids, budget, profile)
                 s = res.stats
                 record(profile.name, res.token_ids, s.steps, s.prefill_s, s.decode_s,
-                       s.as_dict()["acceptance_histogram"], res.token_ids == base.token_ids, GREEDY)
+                       s.as_dict()["acceptance_histogram"], res.token_ids == base.token_ids, GREEDY, s.host_s)
             peer_greedy = None
             for peer in peers:
                 out = run_peer(peer_model, peer, ids, budget, stop_ids)
