@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from .backends import open_engine
+from .datasets import encode_prompt
 from .errors import GenerationError, LadeError
 from .profile import resolve_profile
 
@@ -170,48 +172,6 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
     if prompt is None:
         raise GenerationError("give --prompt TEXT, --prompt-file PATH or --prompt-from DATASET:INDEX")
     return prompt
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    """Prompt token ids: the chat template with one user turn (``chat``) or plain text.
-
-    An empty prompt becomes the BOS token alone when the tokenizer has one.
-
-    Raises:
-        GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
-    """
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise GenerationError("--chat given, but this model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return list(ids)
-    ids = list(tokenizer(text).input_ids) if text else []
-    if not ids:
-        if tokenizer.bos_token_id is None:
-            raise GenerationError("empty prompt and this tokenizer has no BOS token: nothing to condition on")
-        ids = [tokenizer.bos_token_id]
-    return ids
-
-
-def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float32"):
-    """Engine for ``artifact`` by backend name (``ort``, ``torch``, ``tensorrt``)."""
-    if backend == "ort":
-        from .backends.onnxruntime import OrtEngine
-
-        return OrtEngine(artifact.onnx_path, threads=threads, provider="cuda" if device == "cuda" else "cpu")
-    if backend == "torch":
-        import torch
-
-        from .backends.torch import TorchEngine
-        from .model_source import load_model
-
-        loaded = load_model(artifact.manifest["source"]["model"])
-        return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)
-    from .backends.tensorrt import TensorRTEngine
-
-    return TensorRTEngine(artifact, device=device)
 
 
 @main.command()

@@ -236,8 +236,7 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
     Returns:
         every :class:`RunRecord`, in run order.
     """
-    from .cli import encode_prompt
-    from .datasets import load_prompts
+    from .datasets import encode_prompt, load_prompts
 
     records = []
     stop_ids = sorted(decoder.stop_token_ids)

@@ -95,3 +95,26 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
             raise GenerationError(f"{path} record {i}: the prompt must be a non-empty string")
         prompts.append(Prompt(str(pid), text, label))
     return prompts
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Prompt token ids: the chat template with one user turn (``chat``) or plain text.
+
+    An empty prompt becomes the BOS token alone when the tokenizer has one.
+
+    Raises:
+        GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
+    """
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise GenerationError("--chat given, but this model's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return list(ids)
+    ids = list(tokenizer(text).input_ids) if text else []
+    if not ids:
+        if tokenizer.bos_token_id is None:
+            raise GenerationError("empty prompt and this tokenizer has no BOS token: nothing to condition on")
+        ids = [tokenizer.bos_token_id]
+    return ids

@@ -3,7 +3,7 @@ workloads: lookahead output equals plain greedy output on the same ONNX Runtime 
 
 import pytest
 
-from lade_export.cli import encode_prompt
+from lade_export.datasets import encode_prompt
 from lade_export.profile import resolve_profile
 
 from .conftest import humaneval_prompts, mt_bench_prompts

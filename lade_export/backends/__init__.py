@@ -7,3 +7,32 @@ arrays named as in :mod:`lade_export.specs`, and ``close()``.
 """
 
 BACKENDS = ("ort", "torch", "tensorrt")
+
+
+def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float32"):
+    """Engine for an opened :class:`lade_export.artifact.Artifact` by backend name.
+
+    ``ort`` runs the artifact's ONNX graph (CPU, or the CUDA execution provider with
+    ``device="cuda"``); ``torch`` loads the checkpoint named in the manifest and runs the
+    step module (``dtype`` float32/float16/bfloat16); ``tensorrt`` runs the artifact's
+    first engine.
+
+    Raises:
+        BackendUnavailableError: the backend or device is missing.
+        ModelSourceError: the torch backend cannot load the recorded checkpoint.
+    """
+    if backend == "ort":
+        from .onnxruntime import OrtEngine
+
+        return OrtEngine(artifact.onnx_path, threads=threads, provider="cuda" if device == "cuda" else "cpu")
+    if backend == "torch":
+        import torch
+
+        from .torch import TorchEngine
+        from ..model_source import load_model
+
+        loaded = load_model(artifact.manifest["source"]["model"])
+        return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)
+    from .tensorrt import TensorRTEngine
+
+    return TensorRTEngine(artifact, device=device)
