@@ -9,7 +9,7 @@ ART=${1:-build/smollm2}
 [ -d "$ART" ] || lade-export build --out "$ART" --profile default --profile small --profile paper
 mkdir -p bench/results
 for ds in mt_bench humaneval gsm8k; do
-  lade-export tune "$ART" --dataset "$ds" --skip 16 --limit 8 --max-new-tokens 128 \
+  lade-export tune "$ART" --dataset "$ds" --skip 16 --limit 8 --max-new-tokens 256 \
     --out "bench/results/tuned-$ds.toml" | tee "bench/results/tune-$ds.log"
 done
 for ds in mt_bench humaneval gsm8k; do

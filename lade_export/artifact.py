@@ -101,22 +101,34 @@ def atomic_directory(out: str | Path, force: bool = False):
         raise ArtifactError(f"parent of --out is not a directory: {out.parent}")
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
-    lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock_fd)
-        raise ArtifactError(f"another build into {out} is in progress") from None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)
 
     def on_term(signum, frame):
         raise _Terminated()
 
+    signals = {signal.SIGINT, signal.SIGTERM}
     previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, on_term)
+    # Signals stay blocked whenever the directory state changes (lock + temp dir
+    # creation, the final renames, cleanup), so an interrupt can only land while the
+    # build itself runs, where the cleanup below is guaranteed to follow.
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    tmp = None
     try:
-        yield tmp
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            lock_fd = None
+            raise ArtifactError(f"another build into {out} is in progress") from None
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        os.chmod(tmp, 0o755)
+        signal.signal(signal.SIGTERM, on_term)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        try:
+            yield tmp
+        except _Terminated:
+            raise KeyboardInterrupt("terminated") from None
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         for f in tmp.rglob("*"):
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         if out.exists():
@@ -128,16 +140,16 @@ def atomic_directory(out: str | Path, force: bool = False):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
-    except _Terminated:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise KeyboardInterrupt("terminated") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if tmp.exists():
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock_path)
-        os.close(lock_fd)
+        if lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+            os.close(lock_fd)
+        signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # a pending interrupt is delivered now
 
 
 class Artifact:

@@ -326,7 +326,8 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 @click.option("--dataset", default="mt_bench", show_default=True, help="mt_bench, humaneval, gsm8k or a .jsonl path.")
 @click.option("--limit", type=click.IntRange(min=2), default=8, show_default=True,
               help="Prompts: the first half measures the grid, the rest verifies the winner.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Per generation; use the length you will serve (acceptance grows with length).")
 @click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
               help="Skip the first N prompts (tune on prompts a comparison does not use).")
 @click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")

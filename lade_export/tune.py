@@ -22,8 +22,8 @@ from .errors import CheckFailedError, ProfileError
 from .profile import LookaheadProfile
 
 GRIDS = {
-    "default": [(1, 2, 1, 10), (1, 3, 2, 6), (1, 4, 2, 8), (2, 3, 2, 8), (1, 3, 1, 12), (2, 4, 3, 8), (3, 4, 3, 0),
-                (5, 4, 5, 0)],
+    "default": [(1, 2, 1, 10), (1, 3, 2, 6), (2, 3, 2, 8), (1, 4, 2, 8), (2, 4, 3, 8), (3, 4, 4, 8), (5, 4, 5, 0),
+                (5, 4, 5, 8)],
     "tiny": [(1, 2, 1, 0), (2, 3, 2, 4)],
 }
 
