@@ -6,6 +6,7 @@ Every user error ends in one line on stderr (``error: …``) and a non-zero exit
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -284,10 +285,9 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, device, dtype, threads)
     profiles = [resolve_profile(v) for v in profile_values] if profile_values else artifact.profiles()
-    for p in profiles:
-        from .build import check_profiles_fit
+    from .build import check_profiles_fit
 
-        check_profiles_fit([p], artifact.max_context)
+    check_profiles_fit(profiles, artifact.max_context)
     chat = bool(artifact.manifest["model"].get("chat_template"))
     counts = [len(load_prompts(d, limit=limit, chat=chat)) for d in datasets]
     peer_model = None
@@ -393,7 +393,7 @@ def check(artifact_dir, max_abs, max_rel):
     present = [e for e in report.output_errors if e.output.startswith("present.")]
     if present:
         worst = max(present, key=lambda e: e.max_abs)
-        shown.append(dataclasses_replace(worst, output=f"present.* (worst: {worst.output})",
+        shown.append(dataclasses.replace(worst, output=f"present.* (worst: {worst.output})",
                                          ok=all(e.ok for e in present)))
     for e in shown:
         table.add_row(e.runner, e.output, f"{e.max_abs:.2e}", f"{e.rel:.1e}", e.case, "yes" if e.ok else "NO")
@@ -405,12 +405,6 @@ def check(artifact_dir, max_abs, max_rel):
     if not report.ok:
         raise CheckFailedError("check failed: " + "; ".join(report.failures()))
     click.echo("check passed")
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 @main.command()

@@ -152,6 +152,12 @@ class DecoderStep(nn.Module):
         return (logits, torch.argmax(logits, dim=-1), *presents)
 
 
+def empty_past_feeds(dims: ModelDims) -> dict:
+    """``past_key_values.*`` feeds of an empty cache: float32 [1, kv_heads, 0, head_dim] each."""
+    empty = np.zeros((1, dims.kv_heads, 0, dims.head_dim), np.float32)
+    return {n: empty for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))}
+
+
 def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: int = 0, dtype=np.float32) -> dict:
     """Numpy feeds of a given (step, past) shape with a causal mask over contiguous positions.
 
@@ -350,8 +356,7 @@ def reference_cases(step_module: DecoderStep, prompt_ids: list[int], profile=Non
     from .ngram import causal_feeds
 
     d = step_module.dims
-    empty = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
-    past_feeds = {n: empty for i in range(d.num_layers) for n in (past_key_name(i), past_value_name(i))}
+    past_feeds = empty_past_feeds(d)
     prefix = np.asarray(prompt_ids[:-1], dtype=np.int64)
     real_past = dict(past_feeds)
     if len(prefix):

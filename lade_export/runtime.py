@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from .errors import GenerationError
-from .graph import ModelDims
+from .graph import ModelDims, empty_past_feeds
 from .ngram import LookaheadState, causal_feeds
 from .profile import LookaheadProfile
 from .specs import past_key_name, past_value_name, present_key_name, present_value_name
@@ -162,11 +162,6 @@ class Decoder:
         self.max_context = max_context or self.dims.max_context
         self.tokenizer = tokenizer
 
-    def _empty_past(self) -> dict:
-        d = self.dims
-        z = np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32)
-        return {n: z for i in range(d.num_layers) for n in (past_key_name(i), past_value_name(i))}
-
     def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None,
                  on_tokens: Callable[[list], None] | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
@@ -197,7 +192,7 @@ class Decoder:
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens)
         t0 = time.perf_counter()
         if len(prompt) > 1:
-            cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **self._empty_past()}))
+            cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **empty_past_feeds(self.dims)}))
         stats.prefill_s = time.perf_counter() - t0
 
         state = LookaheadState(profile, self.dims.vocab, prompt) if profile else None
