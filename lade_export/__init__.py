@@ -1,10 +1,25 @@
 """lade-export: export a LLaMA-family decoder step to ONNX with lookahead-shaped inputs,
 compile it per lookahead profile, and run exact lookahead decoding around the engine.
 
-Modules: :mod:`.graph` (step module, export, parity), :mod:`.ngram` (pool, window, step
-layout), :mod:`.runtime` (decoding loop), :mod:`.backends` (ONNX Runtime, PyTorch,
-TensorRT engines), :mod:`.profile` (W, N, G), :mod:`.artifact` (build directories,
-manifest), :mod:`.build` (the build pipeline), :mod:`.cli`.
+Runtime (no PyTorch, no transformers): :func:`load` an artifact, then
+``model.generate(...)`` or ``model.stream(...)`` (:mod:`.api`). The loop is
+:mod:`.runtime`, the algorithm :mod:`.lookahead` on :mod:`.ngram`, text in and out
+:mod:`.tokenizer` and :mod:`.detokenize`, engines :mod:`.backends`, profiles
+:mod:`.profile`, the artifact contract :mod:`.artifact` and :mod:`.specs`.
+
+Export time (the ``export`` extra): :mod:`.model_source`, :mod:`.graph` (step module,
+export, parity), :mod:`.build`, :mod:`.check`; benchmarks :mod:`.compare`, :mod:`.tune`;
+the command line :mod:`.cli`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+__all__ = ["load", "Model", "Stream", "__version__"]
+
+
+def __getattr__(name):  # keep ``import lade_export`` cheap: the API loads on first use
+    if name in ("load", "Model", "Stream"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'lade_export' has no attribute {name!r}")

@@ -29,7 +29,9 @@ from pathlib import Path
 
 from .errors import ArtifactError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Files up to this size are hashed on every open; larger ones (the weights) only when asked.
+QUICK_HASH_LIMIT = 16 << 20
 MANIFEST = "manifest.json"
 
 
@@ -157,15 +159,20 @@ class Artifact:
 
     Args:
         root: the directory.
-        verify: check every file's sha256 against the manifest.
+        verify: ``"quick"`` (default): every listed file exists with its recorded size,
+            and files up to :data:`QUICK_HASH_LIMIT` bytes (graph, tokenizer, engines'
+            small files) match their sha256 — milliseconds; ``"full"`` (or True): every
+            file's sha256, the weights included (~1 s per GB); ``"none"`` (or False):
+            only the manifest is read.
 
     Raises:
         ArtifactError: directory or ``manifest.json`` missing, unreadable JSON, a
-            ``schema_version`` other than :data:`SCHEMA_VERSION`, a listed file missing,
-            or (with ``verify``) a checksum mismatch naming the file.
+            ``schema_version`` other than :data:`SCHEMA_VERSION`, a required section
+            missing, a listed file missing or of another size, or a checksum mismatch
+            naming the file.
     """
 
-    def __init__(self, root: str | Path, verify: bool = True):
+    def __init__(self, root: str | Path, verify: str | bool = "quick"):
         self.root = Path(root)
         if not self.root.is_dir():
             raise ArtifactError(f"artifact directory not found: {self.root}")
@@ -184,24 +191,47 @@ class Artifact:
                 f"{path}: schema_version {version!r} is not supported by this lade-export (expects {SCHEMA_VERSION}); "
                 "rebuild with lade-export build"
             )
-        missing = [k for k in ("source", "model", "graph", "files") if not isinstance(self.manifest.get(k), dict)]
+        missing = [k for k in ("source", "model", "graph", "tokenizer", "files") if not isinstance(self.manifest.get(k), dict)]
         if missing:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}; rebuild with lade-export build")
-        if verify:
-            self.verify_checksums()
+        mode = {True: "full", False: "none"}.get(verify, verify)
+        if mode not in ("quick", "full", "none"):
+            raise ArtifactError(f"verify must be quick, full or none, got {verify!r}")
+        if mode != "none":
+            self.verify_files(full=mode == "full")
 
-    def verify_checksums(self) -> None:
-        """Raise :class:`ArtifactError` naming the first missing or mismatching file."""
+    def verify_files(self, full: bool = False) -> None:
+        """Check every listed file: present, of the recorded size, and (all files when
+        ``full``, else those up to :data:`QUICK_HASH_LIMIT` bytes) of the recorded sha256.
+
+        Raises:
+            ArtifactError: naming the first missing, resized or mismatching file.
+        """
         for name, entry in self.manifest.get("files", {}).items():
             f = self.root / name
             if not f.is_file():
                 raise ArtifactError(f"{f} is listed in the manifest but missing")
-            if sha256_file(f) != entry["sha256"]:
+            size = f.stat().st_size
+            if size != entry["bytes"]:
+                raise ArtifactError(f"size mismatch for {name}: {size:,} bytes, the manifest says {entry['bytes']:,}; "
+                                    "rebuild the artifact")
+            if (full or size <= QUICK_HASH_LIMIT) and sha256_file(f) != entry["sha256"]:
                 raise ArtifactError(f"checksum mismatch for {name}: the file differs from the manifest; rebuild the artifact")
+
+    def verify_checksums(self) -> None:
+        """Every file's full sha256 (see :meth:`verify_files`)."""
+        self.verify_files(full=True)
 
     @property
     def onnx_path(self) -> Path:
         return self.root / self.manifest["graph"]["file"]
+
+    @property
+    def dims(self):
+        """:class:`lade_export.specs.ModelDims` of the model."""
+        from .specs import ModelDims
+
+        return ModelDims.from_dict(self.manifest["model"]["dims"])
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -211,14 +241,28 @@ class Artifact:
     def max_context(self) -> int:
         return int(self.manifest["model"]["dims"]["max_context"])
 
-    def tokenizer(self):
-        """The saved tokenizer (transformers ``AutoTokenizer``)."""
-        from transformers import AutoTokenizer
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.manifest["tokenizer"].get("chat_template"))
 
-        return AutoTokenizer.from_pretrained(self.root / "tokenizer")
+    def tokenizer(self):
+        """The runtime tokenizer (:class:`lade_export.tokenizer.Tokenizer`; no transformers)."""
+        from .tokenizer import Tokenizer
+
+        return Tokenizer.from_manifest(self.root, self.manifest)
 
     def profiles(self):
         """Profiles recorded at build time, as :class:`LookaheadProfile` values."""
         from .profile import LookaheadProfile
 
         return [LookaheadProfile.from_dict(p, name=p.get("name", "custom")) for p in self.manifest.get("profiles", [])]
+
+    def default_profile(self):
+        """The profile a request gets when it names none: the manifest's
+        ``default_profile``, else the first built profile (None: plain greedy)."""
+        profiles = self.profiles()
+        name = self.manifest.get("default_profile")
+        for p in profiles:
+            if p.name == name:
+                return p
+        return profiles[0] if profiles else None

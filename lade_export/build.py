@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import __version__
 from .artifact import SCHEMA_VERSION, atomic_directory, file_entries, write_json_atomic
-from .errors import CheckFailedError, ProfileError
+from .errors import CheckFailedError
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
 from .model_source import load_model
 from .specs import step_io_specs
@@ -40,6 +40,49 @@ def parity_prompt_ids(tokenizer, chat: bool) -> list[int]:
                                             tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(PARITY_PROMPT).input_ids)
+
+
+#: Texts on which the runtime tokenizer must give transformers' ids (plain and chat).
+TOKENIZER_SAMPLES = ("Once upon a time", "Hello, world! Don't  stop.\n\tTabs, ünïcödé, 日本語 and 😀🚀.", "  leading spaces",
+                     "<s> looks special </s>")
+
+
+def save_tokenizer(hf_tokenizer, folder: Path) -> dict:
+    """Save the tokenizer for the runtime and check that the runtime reads it right.
+
+    Writes ``folder/tokenizer.json`` (and transformers' own files beside it), then
+    encodes :data:`TOKENIZER_SAMPLES` — plain, and as one chat turn when there is a chat
+    template — with :class:`lade_export.tokenizer.Tokenizer` and with transformers.
+
+    Returns:
+        the manifest's ``tokenizer`` section (without ``files``): ``dir``, ``file``,
+        ``chat_template`` (text or None), ``special_tokens``, ``checked_samples``.
+
+    Raises:
+        ModelSourceError: the checkpoint has only a slow (Python) tokenizer.
+        CheckFailedError: the runtime tokenizer's ids differ from transformers' (naming the sample).
+    """
+    from .errors import ModelSourceError
+    from .tokenizer import Tokenizer
+
+    hf_tokenizer.save_pretrained(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelSourceError("the checkpoint has no fast tokenizer (tokenizer.json); lade-export's runtime needs one")
+    template = getattr(hf_tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) and template else None
+    special = {k: v for k, v in hf_tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    ours = Tokenizer(folder / "tokenizer.json", template, special, hf_tokenizer.bos_token_id)
+    for text in TOKENIZER_SAMPLES:
+        if ours.encode(text) != list(hf_tokenizer(text).input_ids):
+            raise CheckFailedError(f"the runtime tokenizer encodes {text!r} differently from transformers")
+        if template is not None:
+            ref = hf_tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=True)
+            ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+            if ours.encode_prompt(text, chat=True) != ref:
+                raise CheckFailedError(f"the runtime's chat template gives other ids than transformers for {text!r}")
+    return {"dir": folder.name, "file": f"{folder.name}/tokenizer.json", "chat_template": template,
+            "special_tokens": special, "checked_samples": len(TOKENIZER_SAMPLES)}
 
 
 def _raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
@@ -88,16 +131,6 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
     return entries
 
 
-def check_profiles_fit(profiles, max_context: int) -> None:
-    """Raise :class:`ProfileError` if a profile's largest step exceeds the model's context."""
-    for p in profiles:
-        if p.max_step >= max_context:
-            raise ProfileError(
-                f"profile {p.name!r}: its largest step ({p.max_step} tokens) does not fit the model's context "
-                f"of {max_context} tokens"
-            )
-
-
 def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,
                    threads: int | None = None, loaded=None, engine_options: dict | None = None,
                    timing_cache: str | Path | None = None) -> dict:
@@ -129,7 +162,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         loaded = loaded or load_model(source)
         step = DecoderStep(loaded.model).eval()
         dims = step.dims
-        check_profiles_fit(profiles, dims.max_context)
+        for profile in profiles:
+            profile.check_fits(dims.max_context)
         load_s = time.perf_counter() - t0
         say("exporting the decoder step to ONNX")
         t1 = time.perf_counter()
@@ -144,8 +178,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         if engine_options is not None:
             engines = build_tensorrt_engines(step, onnx_path, tmp, profiles, prompt_ids, engine_options, timing_cache,
                                              say)
-        say("saving tokenizer and manifest")
-        loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+        say("saving the tokenizer and checking it against transformers")
+        tokenizer_section = save_tokenizer(loaded.tokenizer, tmp / "tokenizer")
         inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         tok = loaded.tokenizer
@@ -161,7 +195,6 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 "bos_token_id": tok.bos_token_id,
                 "eos_token_id": tok.eos_token_id,
                 "pad_token_id": tok.pad_token_id,
-                "chat_template": chat,
             },
             "graph": {
                 "file": "model.onnx",
@@ -172,7 +205,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 "inputs": [s.as_dict() for s in inputs],
                 "outputs": [s.as_dict() for s in outputs],
             },
-            "tokenizer": {"dir": "tokenizer", "files": sorted(n for n in names if n.startswith("tokenizer/"))},
+            "tokenizer": {**tokenizer_section, "files": sorted(n for n in names if n.startswith("tokenizer/"))},
+            "default_profile": profiles[0].name if profiles else None,
             "profiles": [p.as_dict() for p in profiles],
             "parity": {
                 "bounds": {"max_abs": PARITY_MAX_ABS, "max_rel": PARITY_MAX_REL},

@@ -131,7 +131,7 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     say(f"loading the PyTorch reference {artifact.manifest['source']['model']}")
     loaded = load_model(artifact.manifest["source"]["model"])
     step = DecoderStep(loaded.model).eval()
-    prompt = parity_prompt_ids(loaded.tokenizer, bool(artifact.manifest["model"].get("chat_template")))
+    prompt = parity_prompt_ids(loaded.tokenizer, artifact.has_chat_template)
     feeds, labels = [], []
     profiles = artifact.profiles() or [None]
     for i, profile in enumerate(profiles):

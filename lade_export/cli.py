@@ -12,8 +12,6 @@ from pathlib import Path
 
 import click
 
-from .backends import open_engine
-from .datasets import encode_prompt
 from .errors import GenerationError, LadeError
 from .profile import resolve_profile
 
@@ -78,7 +76,8 @@ def _profiles(values) -> list:
 @click.option("--model", "source", default="smollm2-135m-instruct", show_default=True,
               help="HF directory, .gguf file, hub id, or smollm2-135m-instruct.")
 @click.option("--profile", "profile_values", multiple=True,
-              help="Profile TOML, name under profiles/, or W,N,G (repeatable; default: default).")
+              help="Profile TOML, shipped name (default, small, paper, gpu-large) or W,N,G[,K] (repeatable; "
+                   "the first is the artifact's default).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads for the parity check.")
@@ -107,12 +106,12 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
         engine_options = dict(precision=precision, max_batch=max_batch, max_prompt=max_prompt, max_context=max_context,
                               version_compatible=version_compatible, hardware_compatible=hardware_compatible)
     if dry_run:
-        from .build import check_profiles_fit
-        from .graph import ModelDims
         from .model_source import load_model
+        from .specs import ModelDims
 
         dims = ModelDims.from_config(load_model(source).model.config)
-        check_profiles_fit(profiles, dims.max_context)
+        for profile in profiles:
+            profile.check_fits(dims.max_context)
         click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json")
         if engine_options:
             for plan in engine_plans(profiles, dims, **engine_options):
@@ -123,15 +122,41 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
         from .backends.tensorrt import require_tensorrt
 
         require_tensorrt()  # before any work: nothing is written without TensorRT and a GPU
-    console = _console()
-    with console.status("starting") as status:
-        manifest = build_artifact(source, profiles, out, force=force, threads=threads,
-                                  status=lambda m: status.update(f"[bold]{m}…"), engine_options=engine_options,
-                                  timing_cache=timing_cache)
+    with _progress() as say:
+        manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
+                                  engine_options=engine_options, timing_cache=timing_cache)
     worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
     click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
                f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
                f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
+
+
+class _progress:
+    """Stage messages of a slow command on stderr: a live spinner on a terminal, else one
+    line per stage with the seconds since the start (so logs and CI show progress)."""
+
+    def __enter__(self):
+        import time
+
+        self.t0 = time.perf_counter()
+        self.console = _console()
+        self.status = None
+        if self.console.is_terminal:
+            self.status = self.console.status("starting")
+            self.status.__enter__()
+        return self.say
+
+    def say(self, message: str) -> None:
+        import time
+
+        if self.status is not None:
+            self.status.update(f"[bold]{message}…")
+        else:
+            click.echo(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", err=True)
+
+    def __exit__(self, *exc):
+        if self.status is not None:
+            self.status.__exit__(*exc)
 
 
 @main.command()
@@ -142,7 +167,8 @@ def export(source, out, force):
     """Export and parity-check the step graph only (a build with the default profile)."""
     from .build import build_artifact
 
-    manifest = build_artifact(source, _profiles(None), out, force=force)
+    with _progress() as say:
+        manifest = build_artifact(source, _profiles(None), out, force=force, status=say)
     click.echo(f"exported {out / manifest['graph']['file']}")
 
 
@@ -181,79 +207,58 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from a UTF-8 file.")
 @click.option("--prompt-from", default=None, metavar="DATASET:INDEX",
               help="Take the prompt from a workload, e.g. mt_bench:0, humaneval:3, gsm8k:10.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--chat/--no-chat", default=None,
+              help="Wrap the prompt in the model's chat template (default: when the model has one).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--greedy", is_flag=True, help="Plain greedy decoding (no lookahead).")
-@click.option("--profile", "profile_value", default=None, help="Lookahead profile (default: the build's first).")
+@click.option("--profile", "profile_value", default=None,
+              help="Lookahead profile: shipped name, TOML path or W,N,G[,K] (default: the build's default).")
+@click.option("--stop", "stops", multiple=True, help="Stop string: the answer ends before it (repeatable).")
 @click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
               help="Compute dtype of the torch backend.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
+@click.option("--verify", is_flag=True, help="Also check the weights' sha256 before loading (~1 s per GB).")
 @click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
-def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, profile_value, backend, device, dtype,
-             threads, check_greedy):
-    """Generate from a built artifact with lookahead (or --greedy) decoding, streaming the text."""
-    from .artifact import Artifact
-    from .runtime import Decoder
+def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, profile_value, stops,
+             backend, device, dtype, threads, verify, check_greedy):
+    """Generate from a built artifact with lookahead (or --greedy) decoding: the text streams
+    to stdout, the statistics go to stderr."""
+    from .api import load
 
-    text = _read_prompt(prompt, prompt_file, prompt_from, chat)
-    if max_new_tokens < 1:
-        raise GenerationError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
-    artifact = Artifact(artifact_dir)
-    tokenizer = artifact.tokenizer()
-    ids = encode_prompt(tokenizer, text, chat)
-    if len(ids) + max_new_tokens > artifact.max_context:
-        raise GenerationError(
-            f"prompt ({len(ids)} tokens) + --max-new-tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
-            f"exceeds the model's context of {artifact.max_context} tokens"
-        )
-    profile = None
-    if not greedy:
-        built = artifact.profiles()
-        profile = resolve_profile(profile_value) if profile_value else (built[0] if built else resolve_profile("default"))
-    if profile is not None:
-        from .build import check_profiles_fit
-
-        check_profiles_fit([profile], artifact.max_context)
-    engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
-    decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
-
-    shown = {"ids": [], "text": ""}
-
-    def stream(tokens):
-        shown["ids"] += tokens
-        full = tokenizer.decode(shown["ids"], skip_special_tokens=True)
-        if full.startswith(shown["text"]):
-            sys.stdout.write(full[len(shown["text"]):])
-            sys.stdout.flush()
-            shown["text"] = full
-
-    result = decoder.generate(ids, max_new_tokens, profile, on_tokens=stream)
+    model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype,
+                 verify="full" if verify else "quick")
+    use_chat = model.tokenizer.has_chat_template if chat is None else chat
+    ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat)
+    profile = model.resolve_profile(profile_value, lookahead=not greedy)
+    stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=not greedy, stop=stops)
+    for chunk in stream:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    result = stream.result
     if profile is not None and not profile.enabled:
         profile = None
     mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
         (f", K={profile.lookup})" if profile.lookup else ")") if profile else "greedy"
-    click.echo(f"[{mode}] {result.stats.line()}", err=False)
+    click.echo(f"[{mode}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
     if check_greedy and profile is not None:
-        base = decoder.generate(ids, max_new_tokens, None)
+        base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
         same = base.token_ids == result.token_ids
         speedup = base.stats.decode_s / result.stats.decode_s if result.stats.decode_s else 0.0
-        click.echo(f"[greedy] {base.stats.line()}")
-        click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x")
+        click.echo(f"[greedy] {base.stats.line()}", err=True)
+        click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x", err=True)
         if not same:
             sys.exit(1)
 
 
 def _open_decoder(artifact_dir, backend, device, dtype, threads):
-    from .artifact import Artifact
-    from .runtime import Decoder
+    from .api import load
 
-    artifact = Artifact(artifact_dir)
-    tokenizer = artifact.tokenizer()
-    engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
-    return artifact, tokenizer, Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
+    model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype)
+    return model.artifact, model.tokenizer, model.decoder
 
 
 @main.command()
@@ -285,10 +290,9 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, device, dtype, threads)
     profiles = [resolve_profile(v) for v in profile_values] if profile_values else artifact.profiles()
-    from .build import check_profiles_fit
-
-    check_profiles_fit(profiles, artifact.max_context)
-    chat = bool(artifact.manifest["model"].get("chat_template"))
+    for profile in profiles:
+        profile.check_fits(artifact.max_context)
+    chat = artifact.has_chat_template
     counts = [len(load_prompts(d, limit=limit, chat=chat)) for d in datasets]
     peer_model = None
     if peers:
@@ -349,8 +353,8 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
 
     profiles = grid_profiles(list(candidates) if candidates else grid)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, "cpu", "float32", threads)
-    chat = bool(artifact.manifest["model"].get("chat_template"))
-    prompts = [encode_prompt(tokenizer, p.text, chat) for p in load_prompts(dataset, limit=limit, chat=chat, skip=skip)]
+    chat = artifact.has_chat_template
+    prompts = [tokenizer.encode_prompt(p.text, chat) for p in load_prompts(dataset, limit=limit, chat=chat, skip=skip)]
     half = (len(prompts) + 1) // 2
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("tuning", total=half * len(profiles) + (len(prompts) - half))

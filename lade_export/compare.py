@@ -236,13 +236,13 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
     Returns:
         every :class:`RunRecord`, in run order.
     """
-    from .datasets import encode_prompt, load_prompts
+    from .datasets import load_prompts
 
     records = []
     stop_ids = sorted(decoder.stop_token_ids)
     for dataset in datasets:
         for prompt in load_prompts(dataset, limit=limit, chat=chat):
-            ids = encode_prompt(tokenizer, prompt.text, chat)
+            ids = tokenizer.encode_prompt(prompt.text, chat)
             budget = min(max_new_tokens, decoder.max_context - len(ids))
             base = decoder.generate(ids, budget, None)
             label = prompt.dataset

@@ -1,8 +1,8 @@
 """Prompt sets of the lookahead-decoding paper's workloads (MT-Bench, HumanEval, GSM8K).
 
-Read from ``../shared/datasets`` beside the checkout by default (override with the
-``LADE_DATASETS`` environment variable), or from any JSONL file with a ``prompt``,
-``question`` or ``turns`` field.
+Read from ``$LADE_DATASETS``, or ``shared/datasets`` found from the working directory or
+beside a source checkout (:func:`datasets_root`), or from any JSONL file with a
+``prompt``, ``question`` or ``turns`` field.
 """
 
 from __future__ import annotations
@@ -33,11 +33,19 @@ class Prompt:
 
 
 def datasets_root() -> Path:
-    """Folder holding the three datasets."""
+    """Folder holding the three datasets: ``$LADE_DATASETS`` when set, else the first of
+    ``./shared/datasets`` and ``../shared/datasets`` (from the working directory) and
+    ``shared/datasets`` beside a source checkout that has ``mt_bench/`` in it."""
     env = os.environ.get("LADE_DATASETS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"
+    here = Path.cwd()
+    candidates = [here / "shared" / "datasets", here.parent / "shared" / "datasets",
+                  Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"]
+    for folder in candidates:
+        if (folder / "mt_bench").is_dir():
+            return folder
+    return candidates[1]
 
 
 def _records(path: Path):
@@ -67,6 +75,9 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
     if name in DATASET_FILES:
         path = datasets_root() / DATASET_FILES[name]
         label = name
+        if not path.is_file():
+            raise GenerationError(f"dataset {name} not found at {path}; set LADE_DATASETS to the folder holding "
+                                  "mt_bench/, humaneval/ and gsm8k/")
     else:
         path = Path(name)
         label = path.stem
@@ -95,26 +106,3 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
             raise GenerationError(f"{path} record {i}: the prompt must be a non-empty string")
         prompts.append(Prompt(str(pid), text, label))
     return prompts
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    """Prompt token ids: the chat template with one user turn (``chat``) or plain text.
-
-    An empty prompt becomes the BOS token alone when the tokenizer has one.
-
-    Raises:
-        GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
-    """
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise GenerationError("--chat given, but this model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return list(ids)
-    ids = list(tokenizer(text).input_ids) if text else []
-    if not ids:
-        if tokenizer.bos_token_id is None:
-            raise GenerationError("empty prompt and this tokenizer has no BOS token: nothing to condition on")
-        ids = [tokenizer.bos_token_id]
-    return ids

@@ -31,6 +31,12 @@ class GenerationError(LadeError):
     """A generation request cannot be served (empty prompt without BOS, context exceeded, bad max-new-tokens)."""
 
 
+class EngineError(LadeError):
+    """An engine failed while running a step (the backend's own error, reworded in one line)."""
+
+    exit_code = 1
+
+
 class BackendUnavailableError(LadeError):
     """An optional backend (TensorRT, CUDA) is not installed or has no device to run on."""
 

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from .feeds import causal_feeds, empty_past_feeds, example_feeds
 from .specs import (
+    ModelDims,
     dynamic_axes,
     past_key_name,
     past_value_name,
@@ -46,37 +47,6 @@ from .specs import (
 # Float32 parity bounds (ONNX Runtime vs PyTorch): max |Δlogit| and max |Δlogit| / max |logit|.
 PARITY_MAX_ABS = 1e-3
 PARITY_MAX_REL = 1e-5
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelDims:
-    """Shape facts of a LLaMA checkpoint that the step graph and the runtime need."""
-
-    num_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    vocab: int
-    max_context: int
-    tied_embeddings: bool
-
-    @classmethod
-    def from_config(cls, config) -> "ModelDims":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            num_layers=config.num_hidden_layers,
-            heads=config.num_attention_heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim,
-            hidden=config.hidden_size,
-            vocab=config.vocab_size,
-            max_context=config.max_position_embeddings,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -150,28 +120,6 @@ class DecoderStep(nn.Module):
         h = self.norm(torch.gather(h, 1, index))
         logits = self.lm_head(h)  # [b, n_logits, vocab]
         return (logits, torch.argmax(logits, dim=-1), *presents)
-
-
-def empty_past_feeds(dims: ModelDims) -> dict:
-    """``past_key_values.*`` feeds of an empty cache: float32 [1, kv_heads, 0, head_dim] each."""
-    empty = np.zeros((1, dims.kv_heads, 0, dims.head_dim), np.float32)
-    return {n: empty for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))}
-
-
-def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: int = 0, dtype=np.float32) -> dict:
-    """Numpy feeds of a given (step, past) shape with a causal mask over contiguous positions.
-
-    Returns a dict keyed by input name (random token ids and random cache, fixed ``seed``).
-    """
-    from .ngram import causal_feeds
-
-    rng = np.random.default_rng(seed)
-    one = causal_feeds(rng.integers(0, dims.vocab, size=step), past, logit_rows=np.arange(step))
-    feeds = {name: np.repeat(value, batch, axis=0) for name, value in one.items()}
-    for i in range(dims.num_layers):
-        for name in (past_key_name(i), past_value_name(i)):
-            feeds[name] = rng.standard_normal((batch, dims.kv_heads, past, dims.head_dim)).astype(dtype)
-    return feeds
 
 
 def run_torch_step(step_module: DecoderStep, feeds: dict, want_logits: bool = True) -> dict:
@@ -326,7 +274,7 @@ def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[t
     non-contiguous positions. The cache comes from running the PyTorch step on the prompt
     (filled in by :func:`check_parity`), so it holds real keys and values.
     """
-    from .ngram import LookaheadState, causal_feeds
+    from .lookahead import LookaheadState
 
     ids = np.asarray(prompt_ids, dtype=np.int64)
     p = len(ids)
@@ -336,7 +284,7 @@ def parity_feeds(dims: ModelDims, prompt_ids: list[int], profile=None) -> list[t
         # Fill the verification branch for the last token, so all three parts are fed.
         for g in range(profile.guesses):
             state.pool.insert(int(ids[-1]), np.roll(ids, g + 1)[: profile.levels])
-        layout = state.build_step(last_token=int(ids[-1]), past_len=p - 1)
+        layout = state.prepare(int(ids[-1]), p - 1)
         cases.append((f"lookahead W{profile.window} N{profile.ngram} G{profile.guesses}", layout.feeds(batch=1)))
     cases.append(("greedy", causal_feeds(ids[-1:], p - 1)))
     return cases
@@ -353,8 +301,6 @@ def reference_cases(step_module: DecoderStep, prompt_ids: list[int], profile=Non
     Returns:
         ``[(label, feeds)]`` with numpy feeds keyed by input name.
     """
-    from .ngram import causal_feeds
-
     d = step_module.dims
     past_feeds = empty_past_feeds(d)
     prefix = np.asarray(prompt_ids[:-1], dtype=np.int64)
@@ -380,7 +326,7 @@ def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: li
     """
     from .backends.onnxruntime import OrtEngine
 
-    engine = OrtEngine(onnx_path, threads=threads)
+    engine = OrtEngine(onnx_path, step_module.dims, threads=threads)
     results = []
     for label, feeds in reference_cases(step_module, prompt_ids, profile):
         ref = run_torch_step(step_module, feeds)

@@ -33,7 +33,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from .profile import LookaheadProfile
 
 
 class NGramPool:
@@ -90,29 +89,6 @@ class NGramPool:
         return int(np.count_nonzero(self.stamp))
 
 
-def causal_feeds(token_ids, past_len: int, logit_rows=None) -> dict:
-    """Feeds (without the KV cache) of a plain causal step: prefill or a greedy step.
-
-    Args:
-        token_ids: the step's tokens, in order (positions ``past_len`` onward).
-        past_len: tokens already in the cache (all visible to every row).
-        logit_rows: rows whose logits to compute (default: the last row only).
-
-    Returns:
-        batch-1 numpy feeds: int64 ids/positions [1, step], bool mask [1, 1, step, past+step]
-        (lower-triangular over this step), int64 logits_positions [1, n_logits].
-    """
-    ids = np.asarray(token_ids, dtype=np.int64)
-    step = len(ids)
-    rows = np.asarray([step - 1] if logit_rows is None else logit_rows, dtype=np.int64)
-    return {
-        "input_ids": ids[None],
-        "position_ids": np.arange(past_len, past_len + step, dtype=np.int64)[None],
-        "attention_mask": np.tril(np.ones((step, past_len + step), dtype=bool), k=past_len)[None, None],
-        "logits_positions": rows[None],
-    }
-
-
 def chain_parents(n_candidates: int, levels: int) -> tuple:
     """Trie parents of ``n_candidates`` disjoint chains of ``levels`` tokens (no shared prefix)."""
     return tuple(-1 if k == 0 else c * levels + k - 1 for c in range(n_candidates) for k in range(levels))
@@ -158,15 +134,16 @@ def step_template(window: int, levels: int, parents: tuple):
     return offsets, mask, logit_rows
 
 
-def build_trie(candidates) -> tuple[list[int], tuple]:
+def build_trie(candidates) -> tuple[list[int], tuple, dict]:
     """Merge candidate token sequences into a prefix tree.
 
     Args:
         candidates: sequences of token ids (any lengths ≥ 1), in priority order.
 
     Returns:
-        ``(tokens, parents)``: one entry per trie node, parents before children;
-        ``parents[i]`` is −1 for a first token.
+        ``(tokens, parents, children)``: one entry per trie node, parents before
+        children; ``parents[i]`` is −1 for a first token; ``children`` maps
+        ``(parent node, token)`` to the child node.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -182,7 +159,7 @@ def build_trie(candidates) -> tuple[list[int], tuple]:
                 tokens.append(int(tok))
                 parents.append(parent)
             parent = node
-    return tokens, tuple(parents)
+    return tokens, tuple(parents), children
 
 
 @dataclasses.dataclass
@@ -197,6 +174,9 @@ class StepLayout:
         past_len: tokens in the KV cache.
         trie_tokens: token of each verification-trie node.
         trie_parents: parent node of each trie node (−1: follows the last token).
+        trie_children: ``(parent node, token) → node`` of the same trie.
+        window: W of the layout (0 for a plain greedy step).
+        levels: N − 1 of the layout.
     """
 
     input_ids: np.ndarray
@@ -206,6 +186,20 @@ class StepLayout:
     past_len: int
     trie_tokens: list
     trie_parents: tuple
+    trie_children: dict = dataclasses.field(default_factory=dict)
+    window: int = 0
+    levels: int = 1
+
+    @classmethod
+    def single(cls, token: int, past_len: int) -> "StepLayout":
+        """A plain greedy step: ``token`` at position ``past_len``, its logits read."""
+        offsets, mask, rows = step_template(0, 1, ())
+        return cls(np.asarray([token], dtype=np.int64), past_len + offsets, mask, rows, past_len, [], ())
+
+    @property
+    def trie_base(self) -> int:
+        """Row of the first verification-trie node: 1 + W·(N − 1)."""
+        return 1 + self.window * self.levels
 
     @property
     def step(self) -> int:
@@ -226,20 +220,6 @@ class StepLayout:
             "attention_mask": np.repeat(self.attention_mask(), batch, axis=0),
             "logits_positions": rep(self.logit_rows),
         }
-
-
-@dataclasses.dataclass
-class Verdict:
-    """What one lookahead step decided.
-
-    Attributes:
-        accepted: token ids accepted this step, in order (≥ 1).
-        kept_rows: step rows whose keys/values join the cache (row 0 and the matched
-            trie nodes), same length as ``accepted``.
-    """
-
-    accepted: list[int]
-    kept_rows: np.ndarray
 
 
 class HistoryIndex:
@@ -268,93 +248,3 @@ class HistoryIndex:
             if end is not None:
                 return sequence[end + 1: min(end + 1 + length, n)]
         return []
-
-
-class LookaheadState:
-    """Window, pool and history of one generation; builds each step and digests its outputs.
-
-    Args:
-        profile: the lookahead profile.
-        vocab: vocabulary size.
-        prompt_ids: the prompt's token ids (window initialisation, pool seeding, history).
-        seed: seed of the window's initial draw from the prompt tokens.
-    """
-
-    def __init__(self, profile: LookaheadProfile, vocab: int, prompt_ids, seed: int = 0):
-        self.profile = profile
-        self.levels = profile.levels
-        self.pool = NGramPool(vocab, self.levels, profile.guesses)
-        prompt = np.asarray(prompt_ids, dtype=np.int64)
-        rng = np.random.default_rng(seed)
-        source = prompt if prompt.size else np.zeros(1, dtype=np.int64)
-        # Window [N−1, W]: initial guesses drawn from the prompt's tokens (as in the paper).
-        self.window = rng.choice(source, size=(self.levels, profile.window)).astype(np.int64)
-        if profile.seed_pool_from_prompt:
-            self.pool.insert_sequence(prompt)
-        self.sequence = [int(t) for t in prompt_ids]
-        self.history = HistoryIndex()
-        self._layout: StepLayout | None = None
-
-    def candidates(self, last_token: int) -> list:
-        """Verification candidates after ``last_token``: the history-lookup continuation
-        (when the profile has ``lookup`` > 0), then the pool's (N−1)-grams, most recent first."""
-        cands = []
-        if self.profile.lookup and self.sequence and self.sequence[-1] == last_token:
-            found = self.history.lookup(self.sequence, self.profile.lookup)
-            if found:
-                cands.append(found)
-        cands += [list(c) for c in self.pool.candidates(last_token)]
-        return cands
-
-    def build_step(self, last_token: int, past_len: int) -> StepLayout:
-        """Layout of the next step: ``last_token`` at position ``past_len``, the window,
-        and the verification trie of :meth:`candidates`."""
-        tokens, parents = build_trie(self.candidates(last_token))
-        offsets, mask, logit_rows = step_template(self.profile.window, self.levels, parents)
-        ids = np.concatenate([[last_token], self.window.reshape(-1), tokens]).astype(np.int64)
-        self._layout = StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents)
-        return self._layout
-
-    def digest(self, next_ids: np.ndarray) -> Verdict:
-        """Consume the step's greedy predictions and return what is accepted.
-
-        Args:
-            next_ids: int64 [n_logits], argmax at ``logit_rows`` of the last built step.
-
-        Verification (exact): the model's prediction after the last token, ``t``, is
-        always accepted. Walking the trie from its root, a child node is accepted when
-        its token equals the last accepted token's successor prediction; its own
-        prediction is then accepted too. The walk stops when no child matches, so the
-        longest verified prefix among all candidates wins. Then the window's column
-        trajectories plus the last level's predictions go into the pool as n-grams, the
-        levels shift up and the predictions become the last level.
-        """
-        layout = self._layout
-        w, L = self.profile.window, self.levels
-        base = 1 + L * w
-        preds = next_ids[1 + w:]
-        t = int(next_ids[0])
-        accepted = [t]
-        kept = [0]
-        children = {(p, tok): i for i, (p, tok) in enumerate(zip(layout.trie_parents, layout.trie_tokens))}
-        node = -1
-        while True:
-            node = children.get((node, accepted[-1]))
-            if node is None:
-                break
-            kept.append(base + node)
-            accepted.append(int(preds[node]))
-        # New n-grams: (level 0, …, level L−1, prediction) along each column.
-        grams = np.concatenate([self.window, next_ids[1: 1 + w][None, :]], axis=0)  # [N, W]
-        for j in range(w):
-            self.pool.insert(int(grams[0, j]), grams[1:, j])
-        self.window = grams[1:].copy()
-        return Verdict(accepted, np.asarray(kept, dtype=np.int64))
-
-    def observe_output(self, accepted) -> None:
-        """Append newly accepted tokens to the sequence and add the n-grams that end in
-        them to the pool (they are verified text)."""
-        self.sequence += [int(t) for t in accepted]
-        n = self.levels + 1
-        tail = self.sequence[-(n - 1 + len(accepted)):]
-        self.pool.insert_sequence(tail)

@@ -17,7 +17,7 @@ accepted token, the W×(N−1) window and the verification branch (candidates sh
 prefix share its tokens, as a trie). ``W = 0`` or ``N = 1`` is not a lookahead profile;
 plain greedy decoding is its own mode.
 
-TOML layout (``profiles/default.toml``)::
+TOML layout (``lade_export/profiles/default.toml``, shipped with the package)::
 
     name = "default"          # optional, defaults to the file stem
     description = "..."       # optional
@@ -107,6 +107,14 @@ class LookaheadProfile:
         if not self.enabled:
             return 1
         return 1 + self.window + self.guesses * self.levels + self.lookup
+
+    def check_fits(self, max_context: int) -> None:
+        """Raise :class:`ProfileError` when the largest step does not fit ``max_context`` tokens."""
+        if self.enabled and self.max_step >= max_context:
+            raise ProfileError(
+                f"profile {self.name!r}: its largest step ({self.max_step} tokens) does not fit the model's context "
+                f"of {max_context} tokens"
+            )
 
     def as_dict(self) -> dict:
         """Plain-dict form for manifests and reports (includes the derived ``max_step``)."""
@@ -203,22 +211,35 @@ def load_profile(path: str | Path) -> LookaheadProfile:
         raise ProfileError(f"{path}: {err}") from None
 
 
+def bundled_profiles_dir() -> Path:
+    """Folder of the profiles shipped with the package (``default``, ``small``, …)."""
+    return Path(__file__).resolve().parent / "profiles"
+
+
+def bundled_profile_names() -> list[str]:
+    """Names of the shipped profiles, sorted."""
+    return sorted(p.stem for p in bundled_profiles_dir().glob("*.toml"))
+
+
 def resolve_profile(value: str | Path) -> LookaheadProfile:
-    """Accept a TOML path, or the name of a file in the project's ``profiles/`` folder
-    (``default`` → ``profiles/default.toml``), or an inline ``W,N,G`` triple.
+    """Accept a TOML path, the name of a shipped profile (``default``, ``small``,
+    ``paper``, ``gpu-large``), or an inline ``W,N,G`` or ``W,N,G,K``.
 
     Raises:
         ProfileError: nothing matches, or the profile is invalid.
     """
+    if isinstance(value, LookaheadProfile):
+        return value
     text = str(value)
     path = Path(text)
     if path.is_file():
         return load_profile(path)
-    bundled = Path(__file__).resolve().parent.parent / "profiles" / f"{text}.toml"
+    bundled = bundled_profiles_dir() / f"{text}.toml"
     if _NAME.match(text) and bundled.is_file():
         return load_profile(bundled)
     parts = text.split(",")
-    if len(parts) == 3 and all(p.strip().lstrip("-").isdigit() for p in parts):
-        w, n, g = (int(p) for p in parts)
-        return LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}")
-    raise ProfileError(f"profile file not found: {text} (give a TOML path, a name under profiles/, or W,N,G)")
+    if len(parts) in (3, 4) and all(p.strip().lstrip("-").isdigit() for p in parts):
+        w, n, g, k = ([int(p) for p in parts] + [0])[:4]
+        return LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}" + (f"k{k}" if len(parts) == 4 else ""), lookup=k)
+    raise ProfileError(f"profile file not found: {text} (give a TOML path, a shipped name ({', '.join(bundled_profile_names())}), "
+                       "or W,N,G[,K])")

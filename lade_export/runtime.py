@@ -1,28 +1,36 @@
-"""The decoding loop around a compiled step engine: plain greedy and lookahead decoding.
+"""The decoding loop around a compiled step engine: plain greedy and lookahead decoding,
+streamed, with stop strings, cancellation and many requests at once.
 
 Both modes run on the same engine, so their outputs can be compared token for token.
 Lookahead decoding (Fu et al. 2023, arXiv 2402.02057) is exact for greedy decoding:
 every accepted token is the argmax the model gives after exactly the accepted prefix,
-so the output equals plain greedy output (up to float ties).
+so the output equals plain greedy output (up to float ties). The algorithm itself lives
+in :mod:`lade_export.lookahead`; this module only drives it.
 
 Cache invariant: after every step, the KV cache holds all tokens of the sequence except
 the last accepted one, which is the first token fed at the next step.
+
+Concurrency: a :class:`Decoder` holds no per-request state. Each request owns its KV
+cache, its algorithm state and its text stream, so one decoder (one engine) serves
+requests from several threads at once; ONNX Runtime allows concurrent ``Run`` calls on
+one session and releases the GIL while it runs. Nothing here imports PyTorch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import Counter
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
-import numpy as np
-
+from .detokenize import TextStream
 from .errors import GenerationError
-from .graph import ModelDims, empty_past_feeds
-from .ngram import LookaheadState, causal_feeds
+from .feeds import causal_feeds, empty_past_feeds
+from .kv_cache import KVCache
+from .lookahead import StopRules, new_state
 from .profile import LookaheadProfile
-from .specs import past_key_name, past_value_name, present_key_name, present_value_name
+from .specs import ModelDims
 
 
 class Engine(Protocol):
@@ -38,51 +46,6 @@ class Engine(Protocol):
         """Release the engine's resources."""
 
 
-class KVCache:
-    """Host-side KV cache owned by the runtime: per layer a preallocated float32 buffer
-    [1, kv_heads, capacity, head_dim] for keys and one for values, filled up to ``length``.
-
-    Only accepted tokens are appended (rows picked from a step's ``present.*`` outputs),
-    so rejected lookahead and candidate tokens never enter it and nothing is copied back.
-
-    Raises:
-        GenerationError: an append would exceed ``capacity``.
-    """
-
-    def __init__(self, dims: ModelDims, capacity: int):
-        self.dims = dims
-        self.capacity = capacity
-        self.length = 0
-        shape = (1, dims.kv_heads, capacity, dims.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
-
-    def feeds(self) -> dict:
-        """``past_key_values.*`` feeds: contiguous [1, kv_heads, length, head_dim] arrays."""
-        n = self.length
-        out = {}
-        for i in range(self.dims.num_layers):
-            out[past_key_name(i)] = np.ascontiguousarray(self.keys[i][:, :, :n])
-            out[past_value_name(i)] = np.ascontiguousarray(self.values[i][:, :, :n])
-        return out
-
-    def append(self, outputs: dict, rows: np.ndarray | None = None) -> None:
-        """Append this step's ``present.*`` keys/values at ``rows`` (all rows when None)."""
-        first = outputs[present_key_name(0)]
-        count = first.shape[2] if rows is None else len(rows)
-        if self.length + count > self.capacity:
-            raise GenerationError(f"KV cache full: {self.length} + {count} tokens exceed capacity {self.capacity}")
-        end = self.length + count
-        for i in range(self.dims.num_layers):
-            k = outputs[present_key_name(i)]
-            v = outputs[present_value_name(i)]
-            if rows is not None:
-                k, v = k[:, :, rows], v[:, :, rows]
-            self.keys[i][:, :, self.length:end] = k
-            self.values[i][:, :, self.length:end] = v
-        self.length = end
-
-
 @dataclasses.dataclass
 class GenerationStats:
     """Statistics of one generation.
@@ -96,6 +59,7 @@ class GenerationStats:
         acceptance_histogram: {tokens accepted in a step: number of steps}.
         host_s: time spent outside the engine during decode, seconds.
         cache_tokens: tokens in the KV cache at the end (never above the context).
+        first_token_s: seconds from the start of the request to the first new token.
     """
 
     prompt_tokens: int = 0
@@ -106,6 +70,7 @@ class GenerationStats:
     acceptance_histogram: dict = dataclasses.field(default_factory=dict)
     host_s: float = 0.0
     cache_tokens: int = 0
+    first_token_s: float = 0.0
 
     @property
     def compression_ratio(self) -> float:
@@ -131,10 +96,22 @@ class GenerationStats:
                 f"in {self.prefill_s:.2f}s)")
 
 
+#: Why a generation ended.
+STOP_REASONS = ("stop_token", "stop_string", "max_new_tokens", "cancelled", "timeout")
+
+
 @dataclasses.dataclass
 class GenerationResult:
-    """Output of :meth:`Decoder.generate`: new token ids (int list), their text (when a
-    tokenizer was given), the stop reason (``"stop_token" | "max_new_tokens"``) and stats."""
+    """A finished generation.
+
+    Attributes:
+        token_ids: new token ids (a final stop token included; for a stop string, up to
+            and including the token that completed it).
+        text: their text (special tokens left out), cut before a stop string; "" without
+            a tokenizer.
+        stop_reason: one of :data:`STOP_REASONS`.
+        stats: :class:`GenerationStats`.
+    """
 
     token_ids: list
     text: str
@@ -142,17 +119,41 @@ class GenerationResult:
     stats: GenerationStats
 
 
+@dataclasses.dataclass
+class Chunk:
+    """One piece of a streamed generation (one decode step, or the prefill's end).
+
+    Attributes:
+        text: newly released text (may be "" while a character or a possible stop
+            string is incomplete).
+        token_ids: token ids accepted in this step.
+        stop_reason: set on the last chunk only (one of :data:`STOP_REASONS`).
+        stats: set on the last chunk only.
+    """
+
+    text: str
+    token_ids: list
+    stop_reason: str | None = None
+    stats: GenerationStats | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.stats is not None
+
+
 class Decoder:
-    """Greedy and lookahead decoding on one engine.
+    """Greedy and lookahead decoding on one engine, for any number of concurrent requests.
 
     Args:
         engine: a backend engine (see :class:`Engine`).
         stop_token_ids: every id that ends generation (the stop token is emitted, nothing after it).
-        max_context: the model's context length in tokens (prompt + new tokens may not exceed it).
-        tokenizer: optional, to return text.
+        max_context: the context in tokens (prompt + new tokens may not exceed it);
+            default ``engine.dims.max_context``.
+        tokenizer: optional (:class:`lade_export.tokenizer.Tokenizer`), to stream text
+            and match stop strings.
 
-    State (window, pool, KV cache) is created per :meth:`generate` call, so consecutive
-    calls on one object are independent.
+    State (window, pool, KV cache, text) is created per request, so consecutive and
+    concurrent calls on one object are independent.
     """
 
     def __init__(self, engine: Engine, stop_token_ids=(), max_context: int | None = None, tokenizer=None):
@@ -161,87 +162,165 @@ class Decoder:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.max_context = max_context or self.dims.max_context
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}  # request id -> KV cache bytes
 
-    def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None,
-                 on_tokens: Callable[[list], None] | None = None) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+    # -- validation, once for the library and the CLI -------------------------------------
+
+    def check_request(self, prompt_len: int, max_new_tokens, profile: LookaheadProfile | None = None) -> None:
+        """Refuse a request that cannot be served, before any work.
+
+        Raises:
+            GenerationError: empty prompt, ``max_new_tokens`` not an integer ≥ 1, or
+                prompt + new tokens beyond the context.
+            ProfileError: the profile's largest step does not fit the context, or the
+                engine's shapes do not cover it (TensorRT engines).
+        """
+        if prompt_len < 1:
+            raise GenerationError("empty prompt: give at least one token (the tokenizer's BOS counts)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}")
+        if prompt_len + max_new_tokens > self.max_context:
+            raise GenerationError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
+                f"exceeds the model's context of {self.max_context} tokens"
+            )
+        if profile is not None and profile.enabled:
+            profile.check_fits(self.max_context)
+            supports = getattr(self.engine, "check_profile", None)
+            if supports is not None:
+                supports(profile)
+
+    # -- live requests ---------------------------------------------------------------------
+
+    @property
+    def active_requests(self) -> int:
+        """Requests holding a KV cache right now."""
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache held by the live requests."""
+        with self._lock:
+            return sum(self._live.values())
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def stream(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, *, stop=(),
+               cancel=None, timeout_s: float | None = None) -> Iterator[Chunk]:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, step by step.
 
         Args:
             prompt_ids: int token ids, at least one (the BOS token counts).
             max_new_tokens: ≥ 1.
-            profile: a lookahead profile, or None for plain greedy decoding.
-            on_tokens: called with each step's newly emitted token ids (streaming).
+            profile: a lookahead profile, or None (or a disabled one) for plain greedy decoding.
+            stop: stop strings (need a tokenizer): generation ends as soon as the text
+                contains one, even across tokens or inside a block accepted in one step;
+                the text is cut before it.
+            cancel: an object with ``is_set()`` (e.g. ``threading.Event``); once set, the
+                request stops before its next step (``stop_reason`` ``"cancelled"``).
+            timeout_s: stop at the first step boundary after this many seconds
+                (``stop_reason`` ``"timeout"``).
+
+        Yields:
+            :class:`Chunk` per decode step; the last one carries ``stop_reason`` and
+            ``stats``. Closing the generator early (``break`` + ``close()``, or garbage
+            collection) ends the request and frees its KV cache.
 
         Raises:
-            GenerationError: empty prompt, ``max_new_tokens`` < 1, or prompt + new tokens
-                beyond the model's context (checked before any work).
+            GenerationError, ProfileError: see :meth:`check_request` (before any work).
         """
         prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise GenerationError("empty prompt: give at least one token (the tokenizer's BOS counts)")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}")
-        if len(prompt) + max_new_tokens > self.max_context:
-            raise GenerationError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {len(prompt) + max_new_tokens} "
-                f"exceeds the model's context of {self.max_context} tokens"
-            )
-        if profile is not None and not profile.enabled:
-            profile = None  # the greedy setting
+        self.check_request(len(prompt), max_new_tokens, profile)
+        if stop and self.tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer")
+        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s)
+
+    def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s) -> Iterator[Chunk]:
+        t0 = time.perf_counter()
+        deadline = t0 + timeout_s if timeout_s is not None else None
+        detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        text = TextStream(detok, stop)
+        rules = StopRules(self.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
+        state = new_state(profile, self.dims.vocab, prompt, rules)
         stats = GenerationStats(prompt_tokens=len(prompt))
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens)
-        t0 = time.perf_counter()
-        if len(prompt) > 1:
-            cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **empty_past_feeds(self.dims)}))
-        stats.prefill_s = time.perf_counter() - t0
+        key = id(cache)
+        with self._lock:
+            self._live[key] = cache.nbytes
+        try:
+            if len(prompt) > 1:
+                cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **empty_past_feeds(self.dims)}))
+            stats.prefill_s = time.perf_counter() - t0
+            histogram: Counter = Counter()
+            engine_s = 0.0
+            last_ids: list[int] = []
+            t1 = time.perf_counter()
+            while True:
+                if cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if deadline is not None and time.perf_counter() >= deadline:
+                    reason = "timeout"
+                    break
+                layout = state.prepare(state.sequence[-1], cache.length)
+                feeds = layout.feeds()
+                feeds.update(cache.feeds())
+                te = time.perf_counter()
+                outputs = self.engine.run(feeds, with_logits=state.needs_logits)
+                engine_s += time.perf_counter() - te
+                verdict = state.update(layout, outputs)
+                stats.steps += 1
+                stats.new_tokens += len(verdict.accepted)
+                histogram[len(verdict.accepted)] += 1
+                if stats.steps == 1:
+                    stats.first_token_s = time.perf_counter() - t0
+                if verdict.stop_reason is not None:
+                    reason, last_ids = verdict.stop_reason, verdict.accepted
+                    break
+                cache.append(outputs, verdict.kept_rows)
+                yield Chunk(text.take(), verdict.accepted)
+            stats.decode_s = time.perf_counter() - t1
+            stats.host_s = max(stats.decode_s - engine_s, 0.0)
+            stats.cache_tokens = cache.length
+            stats.acceptance_histogram = dict(histogram)
+            tail, cut = text.finish()
+            if cut and reason in ("stop_token", "max_new_tokens"):
+                reason = "stop_string"  # a stop string completed in text held back until the end
+            yield Chunk(tail, last_ids, reason, stats)
+        finally:
+            with self._lock:
+                self._live.pop(key, None)
+            del cache
 
-        state = LookaheadState(profile, self.dims.vocab, prompt) if profile else None
-        sequence = list(prompt)
-        new: list[int] = []
-        histogram: Counter = Counter()
-        stop_reason = "max_new_tokens"
-        engine_s = 0.0
-        t1 = time.perf_counter()
-        while True:
-            last = sequence[-1]
-            past = cache.length
-            if state is None:
-                feeds = causal_feeds([last], past)
-            else:
-                feeds = state.build_step(last, past).feeds()
-            feeds.update(cache.feeds())
-            te = time.perf_counter()
-            outputs = self.engine.run(feeds)
-            engine_s += time.perf_counter() - te
-            stats.steps += 1
-            next_ids = outputs["next_token_ids"][0]
-            if state is None:
-                accepted, kept = [int(next_ids[0])], None
-            else:
-                verdict = state.digest(next_ids)
-                accepted, kept = verdict.accepted, verdict.kept_rows
-            emitted = []
-            for token in accepted:
-                emitted.append(token)
-                if token in self.stop_token_ids:
-                    stop_reason = "stop_token"
-                    break
-                if len(new) + len(emitted) >= max_new_tokens:
-                    break
-            new += emitted
-            histogram[len(emitted)] += 1
-            if on_tokens:
-                on_tokens(emitted)
-            if stop_reason == "stop_token" or len(new) >= max_new_tokens:
-                break
-            cache.append(outputs, kept)
-            sequence += accepted
-            if state is not None:
-                state.observe_output(accepted)
-        stats.decode_s = time.perf_counter() - t1
-        stats.host_s = max(stats.decode_s - engine_s, 0.0)
-        stats.new_tokens = len(new)
-        stats.cache_tokens = cache.length
-        stats.acceptance_histogram = dict(histogram)
-        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerationResult(new, text, stop_reason, stats)
+    def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None,
+                 on_tokens: Callable[[list], None] | None = None, *, stop=(), cancel=None,
+                 timeout_s: float | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see :meth:`stream`).
+
+        Args:
+            on_tokens: called with each step's newly emitted token ids.
+
+        Returns:
+            :class:`GenerationResult`; its text is the concatenation of the streamed chunks.
+
+        Raises:
+            GenerationError, ProfileError: see :meth:`check_request` (before any work).
+        """
+        return collect(self.stream(prompt_ids, max_new_tokens, profile, stop=stop, cancel=cancel,
+                                   timeout_s=timeout_s), on_tokens)
+
+
+def collect(chunks, on_tokens: Callable[[list], None] | None = None) -> GenerationResult:
+    """Drain a stream of :class:`Chunk` into a :class:`GenerationResult`."""
+    ids: list[int] = []
+    pieces: list[str] = []
+    for chunk in chunks:
+        ids += chunk.token_ids
+        pieces.append(chunk.text)
+        if on_tokens is not None and chunk.token_ids:
+            on_tokens(list(chunk.token_ids))
+        if chunk.final:
+            return GenerationResult(ids, "".join(pieces), chunk.stop_reason, chunk.stats)
+    raise GenerationError("the stream ended without its final chunk")

@@ -23,6 +23,60 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """Shape facts of a LLaMA checkpoint that the step graph and the runtime need.
+
+    Attributes:
+        num_layers: decoder layers (one past/present key and value pair each).
+        heads: query heads.
+        kv_heads: key/value heads (grouped-query attention when < ``heads``).
+        head_dim: per-head width.
+        hidden: model width.
+        vocab: vocabulary size (last dim of ``logits``).
+        max_context: the context the artifact declares, in tokens (prompt + new tokens).
+        tied_embeddings: whether the LM head shares the token embedding.
+    """
+
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    max_context: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> "ModelDims":
+        """From a transformers ``LlamaConfig`` (or any object with its attribute names)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            max_context=config.max_position_embeddings,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelDims":
+        """From the manifest's ``model.dims`` object (unknown keys are ignored)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: data[n] for n in names})
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of float32 keys and values one cached token takes over all layers."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * 4
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One named graph tensor.
 

@@ -51,7 +51,7 @@ def measure_step_costs(engine, sizes=(1, 2, 4, 8, 16, 32, 64), past: int = 256, 
     lookahead step reads is fewer). Returns ``[{"step", "seconds", "relative"}]`` with
     ``relative`` = latency / latency at step 1.
     """
-    from .graph import example_feeds
+    from .feeds import example_feeds
 
     rows = []
     base = None

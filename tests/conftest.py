@@ -49,7 +49,7 @@ def stories_decoder(stories_artifact):
     from lade_export.runtime import Decoder
 
     art = Artifact(stories_artifact)
-    return Decoder(OrtEngine(art.onnx_path), art.stop_token_ids, art.max_context, art.tokenizer())
+    return Decoder(OrtEngine(art.onnx_path, art.dims), art.stop_token_ids, art.max_context, art.tokenizer())
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +76,7 @@ def smollm2_decoder(smollm2_artifact):
     from lade_export.runtime import Decoder
 
     art = Artifact(smollm2_artifact)
-    return Decoder(OrtEngine(art.onnx_path), art.stop_token_ids, art.max_context, art.tokenizer())
+    return Decoder(OrtEngine(art.onnx_path, art.dims), art.stop_token_ids, art.max_context, art.tokenizer())
 
 
 def mt_bench_prompts(n: int) -> list[str]:

@@ -4,7 +4,6 @@ import hashlib
 import json
 import shutil
 
-import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner

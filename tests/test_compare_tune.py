@@ -42,18 +42,18 @@ def test_compare_writes_results_and_every_output_is_exact(tmp_path, stories_arti
 
 
 def test_compare_reports_a_mismatch_and_fails(tmp_path, stories_artifact, monkeypatch):
-    from lade_export import ngram
+    from lade_export import lookahead
 
-    real = ngram.LookaheadState.digest
+    real = lookahead.LookaheadState.verify
 
-    def broken(self, next_ids):  # accept one wrong token on the first step: output must no longer be exact
-        verdict = real(self, next_ids)
+    def broken(self, layout, outputs):  # accept one wrong token on the first step: output must no longer be exact
+        accepted, kept = real(self, layout, outputs)
         if not getattr(self, "_broke", False):
             self._broke = True
-            verdict.accepted[0] = (verdict.accepted[0] + 1) % 512
-        return verdict
+            accepted[0] = (accepted[0] + 1) % 512
+        return accepted, kept
 
-    monkeypatch.setattr(ngram.LookaheadState, "digest", broken)
+    monkeypatch.setattr(lookahead.LookaheadState, "verify", broken)
     out = tmp_path / "cmp"
     result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset",
                                        str(_prompts(tmp_path)), "--limit", "2", "--max-new-tokens", "16",

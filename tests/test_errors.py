@@ -14,6 +14,8 @@ from click.testing import CliRunner
 
 from lade_export.cli import main
 
+from .test_cli import PROGRESS
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
 
@@ -73,6 +75,13 @@ def _flip_byte(tmp, art, name):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
+    return a
+
+
+def _grow(tmp, art, name):
+    a = _copy_artifact(art, tmp)
+    with open(a / name, "ab") as fh:
+        fh.write(b"\0\0\0")
     return a
 
 
@@ -163,9 +172,9 @@ CASES = [
      "profile 'small' is given twice; each --profile needs its own name"),
     ("generate-context-exceeded", lambda t, s, a: ["generate", a, "--prompt", "Once upon a time",
                                                     "--max-new-tokens", 600], 2,
-     "prompt (5 tokens) + --max-new-tokens (600) = 605 exceeds the model's context of 512 tokens"),
+     "prompt (5 tokens) + max_new_tokens (600) = 605 exceeds the model's context of 512 tokens"),
     ("generate-max-new-tokens-zero", lambda t, s, a: ["generate", a, "--prompt", "hi", "--max-new-tokens", 0], 2,
-     "--max-new-tokens must be ≥ 1, got 0"),
+     "max_new_tokens must be an integer ≥ 1, got 0"),
     ("generate-non-utf8-file", lambda t, s, a: ["generate", a, "--prompt-file", _non_utf8(t)], 2,
      "is not UTF-8 text (byte 3)"),
     ("generate-no-prompt", lambda t, s, a: ["generate", a], 2,
@@ -186,12 +195,14 @@ CASES = [
     ("artifact-no-manifest", lambda t, s, a: ["generate", _no_manifest(t, a), "--prompt", "hi"], 2,
      "has no manifest.json: not a lade-export build"),
     ("artifact-schema-version", lambda t, s, a: ["generate", _bad_schema(t, a), "--prompt", "hi"], 2,
-     "schema_version 99 is not supported by this lade-export (expects 1)"),
+     "schema_version 99 is not supported by this lade-export (expects 2)"),
     ("artifact-onnx-checksum", lambda t, s, a: ["generate", _flip_byte(t, a, "model.onnx"), "--prompt", "hi"], 2,
      "checksum mismatch for model.onnx"),
     ("artifact-tokenizer-checksum",
      lambda t, s, a: ["generate", _flip_byte(t, a, "tokenizer/tokenizer.json"), "--prompt", "hi"], 2,
      "checksum mismatch for tokenizer/tokenizer.json"),
+    ("artifact-weights-size", lambda t, s, a: ["generate", _grow(t, a, "model.onnx"), "--prompt", "hi"], 2,
+     "size mismatch for model.onnx: "),
     ("artifact-manifest-incomplete", lambda t, s, a: ["generate", _manifest_without_model(t, a), "--prompt", "hi"], 2,
      "manifest lacks model; rebuild with lade-export build"),
     ("build-force-not-a-build", lambda t, s, a: ["build", "--model", s, "--out", _not_a_build(t), "--force"], 2,
@@ -211,7 +222,7 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
     args = build_args(work, stories_dir, stories_artifact)
     before = sorted(os.listdir(work))
     result = invoke(*args)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not PROGRESS.match(line)]
     assert result.exit_code == code, result.output
     assert lines == [lines[0]] and lines[0].startswith("error: "), result.stderr
     assert message in lines[0]
@@ -221,10 +232,25 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
 
 def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
-    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force",
+    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent"}
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids
+
+
+def test_weights_are_hashed_only_when_asked(tmp_path, stories_artifact, monkeypatch):
+    from lade_export import artifact
+
+    monkeypatch.setattr(artifact, "QUICK_HASH_LIMIT", 1 << 20)  # stories' 1.2 MB graph plays the weights
+    a = _flip_byte(tmp_path, stories_artifact, "model.onnx")
+    artifact.Artifact(a)  # a plain open checks sizes only for large files
+    result = invoke("generate", a, "--prompt", "hi", "--max-new-tokens", 2, "--verify")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: checksum mismatch for model.onnx: the file differs from the manifest; "
+                                     "rebuild the artifact")
+    check = invoke("check", a)
+    assert check.exit_code == 1
+    assert check.stderr.strip().splitlines()[-1].startswith("error: check failed: model.onnx: sha256 does not match")
 
 
 def test_gguf_with_out_of_range_pad_id_loads_and_matches_oracle(tmp_path, stories_dir, reference_greedy):
@@ -240,7 +266,7 @@ def test_empty_prompt_generates_from_bos(stories_artifact, reference_greedy):
     result = invoke("generate", stories_artifact, "--prompt", "", "--max-new-tokens", 12, "--greedy")
     assert result.exit_code == 0
     assert result.stdout.startswith("Once upon a time")
-    assert "prefill 1 token in" in result.stdout
+    assert "prefill 1 token in" in result.stderr
 
 
 def test_force_replaces_only_after_success(tmp_path, stories_dir, stories_artifact):

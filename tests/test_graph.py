@@ -46,7 +46,8 @@ def test_parity_stories260k(stories_loaded, stories_artifact, reference_greedy):
 def test_step_module_matches_transformers_logits(stories_loaded, reference_greedy):
     import torch
 
-    from lade_export.graph import example_feeds, run_torch_step
+    from lade_export.feeds import example_feeds
+    from lade_export.graph import run_torch_step
 
     ids = reference_greedy["cases"][0]["prompt_ids"]
     step = DecoderStep(stories_loaded.model).eval()

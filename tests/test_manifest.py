@@ -20,14 +20,14 @@ def documented_keys(section: str) -> set:
 
 def test_top_level_model_and_graph_keys_are_documented(stories_artifact):
     m = Artifact(stories_artifact).manifest
-    assert m["schema_version"] == SCHEMA_VERSION == 1
+    assert m["schema_version"] == SCHEMA_VERSION == 2
     assert set(m) == documented_keys("Top-level keys")
     assert set(m["model"]) == documented_keys("`model`")
     assert set(m["graph"]) == documented_keys("`graph`")
 
 
 def test_engine_entry_keys_are_documented():
-    from lade_export.graph import ModelDims
+    from lade_export.specs import ModelDims
     from lade_export.optimization_profiles import engine_plans
     from lade_export.profile import resolve_profile
 

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from lade_export.ngram import LookaheadState, NGramPool, build_trie, chain_parents, step_template
+from lade_export.lookahead import LookaheadState
+from lade_export.ngram import NGramPool, build_trie, chain_parents, step_template
 from lade_export.profile import LookaheadProfile
 
 # W=2, N=3 (two levels), two candidates: rows are
@@ -21,6 +22,11 @@ HAND_MASK = np.array(
     ],
     dtype=bool,
 )
+
+
+def _outputs(next_ids):
+    """Engine outputs of a step as the state reads them: next_token_ids int64 [1, n_logits]."""
+    return {"next_token_ids": np.asarray(next_ids, dtype=np.int64)[None]}
 
 
 def test_mask_positions_and_logit_rows_match_hand_worked_case():
@@ -45,7 +51,7 @@ def test_templates_are_built_once_and_read_only():
 
 def test_step_layout_feeds_with_past():
     state = LookaheadState(LookaheadProfile(2, 3, 2), vocab=50, prompt_ids=[5, 6, 7, 5, 8, 9])
-    layout = state.build_step(last_token=5, past_len=6)
+    layout = state.prepare(5, 6)
     # the prompt's n-grams keyed by 5: (6,7) then (8,9), most recent first
     assert layout.trie_tokens == [8, 9, 6, 7] and layout.trie_parents == (-1, 0, -1, 2)
     feeds = layout.feeds()
@@ -75,12 +81,12 @@ def test_pool_with_zero_capacity_is_empty():
     assert pool.candidates(1).shape == (0, 3)
 
 
-def test_digest_accepts_longest_verified_prefix_and_keeps_its_rows():
+def test_update_accepts_longest_verified_prefix_and_keeps_its_rows():
     state = LookaheadState(LookaheadProfile(2, 3, 2), vocab=50, prompt_ids=[5, 6, 7, 5, 8, 9])
-    state.build_step(last_token=5, past_len=6)  # candidates [[8, 9], [6, 7]]
+    layout = state.prepare(5, 6)  # candidates [[8, 9], [6, 7]]
     # predictions at rows [0, 3, 4, 5, 6, 7, 8]: t=6, last level -> (20, 21),
     # cand0 rows predict (1, 2), cand1 rows (6,7) predict (7, 30)
-    verdict = state.digest(np.array([6, 20, 21, 1, 2, 7, 30]))
+    verdict = state.update(layout, _outputs([6, 20, 21, 1, 2, 7, 30]))
     # cand1: 6 == t, 7 == prediction after 6 -> two matched; accepted t, 7, 30
     assert verdict.accepted == [6, 7, 30]
     assert verdict.kept_rows.tolist() == [0, 7, 8]
@@ -88,16 +94,17 @@ def test_digest_accepts_longest_verified_prefix_and_keeps_its_rows():
     assert state.window[1].tolist() == [20, 21]
 
 
-def test_digest_without_match_accepts_one_token():
+def test_update_without_match_accepts_one_token():
     state = LookaheadState(LookaheadProfile(2, 3, 1), vocab=50, prompt_ids=[5, 6, 7])
-    state.build_step(last_token=5, past_len=3)  # candidate (6, 7)
-    verdict = state.digest(np.array([9, 1, 2, 3, 4]))
+    layout = state.prepare(5, 3)  # candidate (6, 7)
+    verdict = state.update(layout, _outputs([9, 1, 2, 3, 4]))
     assert verdict.accepted == [9]
     assert verdict.kept_rows.tolist() == [0]
 
 
 def test_candidates_sharing_a_prefix_share_trie_nodes_and_masks():
-    tokens, parents = build_trie([[4, 5, 6], [4, 5, 7], [4, 8, 9], [3, 1, 2]])
+    tokens, parents, children = build_trie([[4, 5, 6], [4, 5, 7], [4, 8, 9], [3, 1, 2]])
+    assert children[(0, 5)] == 1 and children[(1, 7)] == 3 and (0, 7) not in children
     assert tokens == [4, 5, 6, 7, 8, 9, 3, 1, 2]
     assert parents == (-1, 0, 1, 1, 0, 4, -1, 6, 7)
     offsets, mask, rows = step_template(1, 1, parents)  # W=1, N=2: one window token at row 1
@@ -109,16 +116,16 @@ def test_candidates_sharing_a_prefix_share_trie_nodes_and_masks():
     assert rows.tolist() == [0, 1] + list(range(base, base + 9))
 
 
-def test_digest_walks_the_trie_to_the_longest_verified_branch():
+def test_update_walks_the_trie_to_the_longest_verified_branch():
     state = LookaheadState(LookaheadProfile(1, 4, 3), vocab=50, prompt_ids=[1])
     for cand in ([4, 5, 6], [4, 5, 7], [4, 8, 9]):
         state.pool.insert(3, cand)
-    layout = state.build_step(last_token=3, past_len=1)
+    layout = state.prepare(3, 1)
     assert layout.trie_tokens == [4, 8, 9, 5, 7, 6]  # most recent first: (4,8,9), (4,5,7), (4,5,6)
     # rows: 0 last, 1..3 window (W=1, three levels), 4.. trie; logits at [0, 3, trie...]
     preds = {0: 4, 4: 5, 5: 0, 6: 0, 7: 7, 8: 11, 9: 0}  # 3 -> 4 -> 5 -> 7 -> 11
     next_ids = np.array([preds[0], 0] + [preds[r] for r in range(4, 10)])
-    verdict = state.digest(next_ids)
+    verdict = state.update(layout, _outputs(next_ids))
     assert verdict.accepted == [4, 5, 7, 11]
     assert verdict.kept_rows.tolist() == [0, 4, 7, 8]
 
@@ -127,6 +134,6 @@ def test_history_lookup_proposes_what_followed_the_latest_suffix_match():
     profile = LookaheadProfile(1, 2, 0, lookup=4)
     state = LookaheadState(profile, vocab=50, prompt_ids=[1, 7, 8, 9, 10, 11, 2, 7, 8])
     assert state.candidates(8) == [[9, 10, 11, 2]]
-    state.observe_output([9])
+    state.observe([9])
     assert state.candidates(9) == [[10, 11, 2, 7]]
     assert profile.max_step == 1 + 1 + 4

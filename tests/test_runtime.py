@@ -110,7 +110,7 @@ def test_consecutive_generations_on_one_decoder_equal_fresh_runs(stories_artifac
     second = stories_decoder.generate(b, 96, profile)
     again = stories_decoder.generate(a, 96, profile)
     art = Artifact(stories_artifact)
-    fresh = lambda ids: Decoder(OrtEngine(art.onnx_path), art.stop_token_ids, art.max_context).generate(  # noqa: E731
+    fresh = lambda ids: Decoder(OrtEngine(art.onnx_path, art.dims), art.stop_token_ids, art.max_context).generate(  # noqa: E731
         ids, 96, profile)
     fresh_a, fresh_b = fresh(a), fresh(b)
     assert first.token_ids == again.token_ids == fresh_a.token_ids

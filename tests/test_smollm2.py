@@ -3,7 +3,6 @@ workloads: lookahead output equals plain greedy output on the same ONNX Runtime 
 
 import pytest
 
-from lade_export.datasets import encode_prompt
 from lade_export.profile import resolve_profile
 
 from .conftest import humaneval_prompts, mt_bench_prompts
@@ -14,7 +13,7 @@ IM_END = 2  # <|im_end|>
 
 
 def _chat_ids(decoder, text):
-    return encode_prompt(decoder.tokenizer, text, chat=True)
+    return decoder.tokenizer.encode_prompt(text, chat=True)
 
 
 @pytest.mark.parametrize("source", ["mt_bench", "humaneval"])
@@ -53,5 +52,5 @@ def test_manifest_records_smollm2_facts(smollm2_artifact):
     assert (dims["num_layers"], dims["heads"], dims["kv_heads"], dims["head_dim"], dims["vocab"]) == (30, 9, 3, 64, 49152)
     assert dims["tied_embeddings"] is True
     assert IM_END in m["model"]["stop_token_ids"]
-    assert m["model"]["chat_template"] is True
+    assert m["tokenizer"]["chat_template"].startswith("{% for message in messages %}")
     assert all(c["max_abs"] <= 1e-3 and c["rel"] <= 1e-5 and c["argmax_equal"] for c in m["parity"]["cases"])

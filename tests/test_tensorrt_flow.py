@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from lade_export.cli import main
 from lade_export.errors import BackendUnavailableError, ProfileError
-from lade_export.graph import ModelDims
+from lade_export.specs import ModelDims
 from lade_export.optimization_profiles import axis_ranges, engine_plans, optimization_profiles
 from lade_export.profile import LookaheadProfile, resolve_profile
 
@@ -75,7 +75,7 @@ def test_engine_plans_name_files_after_profiles_and_refuse_duplicates():
 def test_dry_run_prints_two_engines_and_writes_nothing(tmp_path, stories_dir):
     out = tmp_path / "X"
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt", "--dry-run",
-                                       "--profile", "profiles/default.toml", "--profile", "profiles/paper.toml",
+                                       "--profile", "default", "--profile", "paper",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     text = result.stdout

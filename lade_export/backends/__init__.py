@@ -24,7 +24,7 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     if backend == "ort":
         from .onnxruntime import OrtEngine
 
-        return OrtEngine(artifact.onnx_path, threads=threads, provider="cuda" if device == "cuda" else "cpu")
+        return OrtEngine(artifact.onnx_path, artifact.dims, threads=threads, provider="cuda" if device == "cuda" else "cpu")
     if backend == "torch":
         import torch
 

@@ -1,0 +1,209 @@
+"""The one-call API: load a built artifact, then generate or stream.
+
+    import lade_export
+
+    model = lade_export.load("build/smollm2")            # ONNX Runtime on the CPU
+    result = model.generate("Hi!", max_new_tokens=64)    # chat template applied when the model has one
+    print(result.text, result.stats.line())
+
+    for chunk in model.stream("Tell me a story.", max_new_tokens=200, stop=["\\n\\n"]):
+        print(chunk.text, end="", flush=True)
+
+One :class:`Model` serves many requests at once from threads; each request owns its KV
+cache and lookahead state. Nothing here imports PyTorch or transformers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from .artifact import Artifact
+from .errors import GenerationError
+from .profile import LookaheadProfile, resolve_profile
+from .runtime import Chunk, Decoder, GenerationResult, collect
+
+
+def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
+         verify: str | bool = "quick", dtype: str = "float32") -> "Model":
+    """Open a built artifact and its engine.
+
+    Args:
+        artifact_dir: what ``lade-export build --out`` wrote.
+        backend: ``"ort"`` (ONNX Runtime), ``"tensorrt"`` (engines built with
+            ``--engine tensorrt``), or ``"torch"`` (the PyTorch reference; needs the
+            ``export`` extra and the checkpoint named in the manifest).
+        threads: engine threads (None: one per core).
+        device: ``"cpu"`` or ``"cuda"``.
+        verify: ``"quick"`` (sizes, and hashes of the small files), ``"full"`` (the
+            weights' sha256 too) or ``"none"``; see :class:`lade_export.artifact.Artifact`.
+        dtype: compute dtype of the torch backend.
+
+    Raises:
+        ArtifactError: not a build, another schema version, or a damaged file.
+        BackendUnavailableError: the backend or device is missing.
+    """
+    from .backends import open_engine
+
+    t0 = time.perf_counter()
+    artifact = Artifact(artifact_dir, verify=verify)
+    tokenizer = artifact.tokenizer()
+    engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
+    model = Model(artifact, tokenizer, engine)
+    model.load_s = time.perf_counter() - t0
+    return model
+
+
+class Stream:
+    """An iterator of :class:`lade_export.runtime.Chunk` for one request.
+
+    ``for chunk in stream`` yields the text and token ids of each decode step; the last
+    chunk carries ``stop_reason`` and ``stats``, and :attr:`result` is then set.
+    :meth:`cancel` (from any thread) stops the request before its next step;
+    :meth:`close` (or leaving a ``with`` block, or breaking out of the loop and dropping
+    the stream) ends it at once and frees its KV cache.
+    """
+
+    def __init__(self, start, cancel: threading.Event):
+        self._cancel = cancel
+        self._chunks = start()
+        self._taken: list[Chunk] = []
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        chunk = next(self._chunks)
+        self._taken.append(chunk)
+        if chunk.final:
+            self.result = collect(iter(self._taken))
+            self._taken = []
+        return chunk
+
+    def cancel(self) -> None:
+        """Ask the request to stop before its next step (thread-safe)."""
+        self._cancel.set()
+
+    def close(self) -> None:
+        """End the request now and free its KV cache."""
+        self._chunks.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Model:
+    """A loaded artifact: tokenizer, engine and decoding loop (see :func:`load`).
+
+    Attributes:
+        artifact: the :class:`lade_export.artifact.Artifact`.
+        tokenizer: the :class:`lade_export.tokenizer.Tokenizer`.
+        decoder: the :class:`lade_export.runtime.Decoder` on the engine.
+        default_profile: the profile used when a request names none.
+        load_s: seconds :func:`load` took.
+    """
+
+    def __init__(self, artifact: Artifact, tokenizer, engine):
+        self.artifact = artifact
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
+        self.default_profile = artifact.default_profile()
+        self.load_s = 0.0
+
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        """Prompt token ids.
+
+        Args:
+            prompt: text; a list of chat messages (``[{"role", "content"}]``); or token
+                ids (used as given).
+            chat: for text, wrap it as one user turn in the chat template; None: when the
+                model has one.
+
+        Raises:
+            GenerationError: an empty prompt without BOS, chat asked for without a chat
+                template, or a prompt of another type.
+        """
+        if isinstance(prompt, str):
+            use_chat = self.tokenizer.has_chat_template if chat is None else chat
+            return self.tokenizer.encode_prompt(prompt, chat=use_chat)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.apply_chat_template(list(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise GenerationError("prompt must be text, a list of chat messages, or a list of token ids")
+
+    def resolve_profile(self, profile, lookahead: bool = True) -> LookaheadProfile | None:
+        """The profile of a request: None for plain greedy (``lookahead=False``), the
+        model's default for None, else a shipped name, a TOML path, ``W,N,G[,K]`` or a
+        :class:`~lade_export.profile.LookaheadProfile`.
+
+        Raises:
+            ProfileError: the profile is unknown or invalid.
+        """
+        if not lookahead:
+            return None
+        if profile is None:
+            return self.default_profile
+        return resolve_profile(profile)
+
+    def stream(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
+               lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None) -> Stream:
+        """Start a request and return its :class:`Stream` of chunks.
+
+        Args:
+            prompt, chat: see :meth:`encode`.
+            max_new_tokens: ≥ 1; prompt + new tokens must fit the context.
+            profile, lookahead: see :meth:`resolve_profile`.
+            stop: a stop string or a list of them; the text is cut before the first match.
+            cancel: an extra ``threading.Event`` that cancels the request when set.
+            timeout_s: stop at the first step boundary after this many seconds.
+
+        Raises:
+            GenerationError, ProfileError: bad request (before any work).
+        """
+        ids = self.encode(prompt, chat)
+        prof = self.resolve_profile(profile, lookahead)
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        own = threading.Event()
+        either = _AnyEvent(own, cancel) if cancel is not None else own
+        chunks = self.decoder.stream(ids, max_new_tokens, prof, stop=stops, cancel=either, timeout_s=timeout_s)
+        return Stream(lambda: chunks, own)
+
+    def generate(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
+                 lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None) -> GenerationResult:
+        """Run a request to the end (arguments as in :meth:`stream`).
+
+        Returns:
+            :class:`lade_export.runtime.GenerationResult`: new token ids, text, stop reason, stats.
+        """
+        stream = self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead,
+                             stop=stop, cancel=cancel, timeout_s=timeout_s)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def close(self) -> None:
+        """Release the engine."""
+        self.engine.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _AnyEvent:
+    """Set when any of the given events is set (``is_set`` only)."""
+
+    def __init__(self, *events):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)

@@ -1,0 +1,220 @@
+"""The decoding algorithm as an object: one state per request, driven by the decoding loop.
+
+Life cycle of one decode step (the loop in :mod:`lade_export.runtime` is only this)::
+
+    layout  = state.prepare(last_token, past_len)      # what to feed
+    outputs = engine.run({**layout.feeds(), **cache.feeds()})
+    verdict = state.update(layout, outputs)            # what was accepted, what to cache
+    cache.append(outputs, verdict.kept_rows)           # unless verdict.stop_reason
+
+:class:`GreedyState` is plain greedy decoding (one token per step);
+:class:`LookaheadState` is lookahead decoding (Fu, Bailis, Stoica, Zhang, "Break the
+Sequential Dependency of LLM Inference Using Lookahead Decoding", arXiv 2402.02057):
+it owns the sequence, the Jacobi window, the n-gram pool and the history index, and
+its greedy verification is exact — every accepted token is the argmax the model gives
+after exactly the accepted prefix, so the output equals plain greedy output.
+
+Both share :class:`StopRules` (stop token ids, ``max_new_tokens``, and a per-token text
+check for stop strings), applied token by token inside an accepted block, so a stop in
+the middle of a block ends the output exactly where greedy decoding would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from .ngram import HistoryIndex, NGramPool, StepLayout, build_trie, step_template
+from .profile import LookaheadProfile
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What one decode step decided.
+
+    Attributes:
+        accepted: token ids emitted this step, in order (≥ 1), already cut by the stop rules.
+        kept_rows: step rows whose keys/values join the KV cache, one per accepted token
+            (row 0 and the matched trie nodes); None means every row (a plain step).
+        stop_reason: ``"stop_token" | "stop_string" | "max_new_tokens"`` when the
+            generation ends with this step, else None.
+    """
+
+    accepted: list[int]
+    kept_rows: np.ndarray | None
+    stop_reason: str | None = None
+
+
+class StopRules:
+    """When a generation ends, checked token by token.
+
+    Args:
+        stop_token_ids: ids that end generation (the stop token is emitted, nothing after).
+        max_new_tokens: most tokens to emit (≥ 1).
+        on_token: optional ``callable(token_id) -> bool``, called for every emitted token
+            in order; True means a stop string just completed (see
+            :class:`lade_export.detokenize.TextStream`).
+    """
+
+    def __init__(self, stop_token_ids=(), max_new_tokens: int = 1 << 62, on_token: Callable[[int], bool] | None = None):
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.on_token = on_token
+        self.emitted = 0
+
+    def cut(self, proposed: list[int]) -> tuple[list[int], str | None]:
+        """The prefix of ``proposed`` that is emitted, and the stop reason if one fired."""
+        out = []
+        for token in proposed:
+            out.append(token)
+            self.emitted += 1
+            if token in self.stop_token_ids:
+                return out, "stop_token"
+            if self.on_token is not None and self.on_token(token):
+                return out, "stop_string"
+            if self.emitted >= self.max_new_tokens:
+                return out, "max_new_tokens"
+        return out, None
+
+
+class GreedyState:
+    """Plain greedy decoding: each step feeds the last token and accepts the argmax.
+
+    Args:
+        prompt_ids: the prompt's token ids.
+        rules: stop rules (default: none).
+    """
+
+    needs_logits = False
+
+    def __init__(self, prompt_ids, rules: StopRules | None = None):
+        self.sequence = [int(t) for t in prompt_ids]
+        self.rules = rules or StopRules()
+
+    def prepare(self, last_token: int, past_len: int) -> StepLayout:
+        """One token at position ``past_len``; its logits row is read."""
+        return StepLayout.single(last_token, past_len)
+
+    def verify(self, layout: StepLayout, outputs: dict) -> tuple[list[int], np.ndarray | None]:
+        """Greedy choice: the argmax after the last token (``next_token_ids`` row 0)."""
+        return [int(outputs["next_token_ids"][0, 0])], None
+
+    def update(self, layout: StepLayout, outputs: dict) -> Verdict:
+        """Verify the step's outputs, apply the stop rules, extend the sequence.
+
+        Args:
+            layout: what :meth:`prepare` returned for this step.
+            outputs: the engine's outputs for it (``next_token_ids`` int64 [1, n_logits];
+                ``logits`` float [1, n_logits, vocab] when :attr:`needs_logits`).
+        """
+        proposed, kept = self.verify(layout, outputs)
+        accepted, reason = self.rules.cut(proposed)
+        if kept is not None:
+            kept = kept[: len(accepted)]
+        self.observe(accepted)
+        return Verdict(accepted, kept, reason)
+
+    def observe(self, accepted: list[int]) -> None:
+        """Append newly accepted tokens to the sequence."""
+        self.sequence += accepted
+
+
+class LookaheadState(GreedyState):
+    """Window, pool and history of one lookahead generation.
+
+    Args:
+        profile: the lookahead profile (W, N, G, K).
+        vocab: vocabulary size.
+        prompt_ids: the prompt's token ids (window initialisation, pool seeding, history).
+        rules: stop rules (default: none).
+        seed: seed of the window's initial draw from the prompt tokens.
+    """
+
+    def __init__(self, profile: LookaheadProfile, vocab: int, prompt_ids, rules: StopRules | None = None,
+                 seed: int = 0):
+        super().__init__(prompt_ids, rules)
+        self.profile = profile
+        self.levels = profile.levels
+        self.pool = NGramPool(vocab, self.levels, profile.guesses)
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        rng = np.random.default_rng(seed)
+        source = prompt if prompt.size else np.zeros(1, dtype=np.int64)
+        # Window [N−1, W]: initial guesses drawn from the prompt's tokens (as in the paper).
+        self.window = rng.choice(source, size=(self.levels, profile.window)).astype(np.int64)
+        if profile.seed_pool_from_prompt:
+            self.pool.insert_sequence(prompt)
+        self.history = HistoryIndex()
+
+    def candidates(self, last_token: int) -> list:
+        """Verification candidates after ``last_token``: the history-lookup continuation
+        (when the profile has ``lookup`` > 0), then the pool's (N−1)-grams, most recent first."""
+        cands = []
+        if self.profile.lookup and self.sequence and self.sequence[-1] == last_token:
+            found = self.history.lookup(self.sequence, self.profile.lookup)
+            if found:
+                cands.append(found)
+        cands += [list(c) for c in self.pool.candidates(last_token)]
+        return cands
+
+    def prepare(self, last_token: int, past_len: int) -> StepLayout:
+        """Layout of the next step: ``last_token`` at position ``past_len``, the window,
+        and the verification trie of :meth:`candidates`."""
+        tokens, parents, children = build_trie(self.candidates(last_token))
+        offsets, mask, logit_rows = step_template(self.profile.window, self.levels, parents)
+        ids = np.concatenate([[last_token], self.window.reshape(-1), tokens]).astype(np.int64)
+        return StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents, children,
+                          self.profile.window, self.levels)
+
+    def verify(self, layout: StepLayout, outputs: dict) -> tuple[list[int], np.ndarray]:
+        """Greedy verification, then the window update.
+
+        The model's prediction after the last token, ``t``, is always accepted. Walking
+        the trie from its root, a child node is accepted when its token equals the last
+        accepted token's successor prediction; its own prediction is then accepted too.
+        The walk stops when no child matches, so the longest verified prefix among all
+        candidates wins. Then the window's column trajectories plus the last level's
+        predictions go into the pool as n-grams, the levels shift up and the predictions
+        become the last level (the paper's Algorithm 1).
+
+        Returns:
+            ``(proposed tokens, kept rows)`` before the stop rules.
+        """
+        next_ids = outputs["next_token_ids"][0]  # [n_logits]: row 0, W last-level rows, trie nodes
+        w = layout.window
+        preds = next_ids[1 + w:]
+        accepted = [int(next_ids[0])]
+        kept = [0]
+        node = -1
+        while True:
+            node = layout.trie_children.get((node, accepted[-1]))
+            if node is None:
+                break
+            kept.append(layout.trie_base + node)
+            accepted.append(int(preds[node]))
+        self._advance_window(next_ids[1: 1 + w])
+        return accepted, np.asarray(kept, dtype=np.int64)
+
+    def _advance_window(self, last_level_preds: np.ndarray) -> None:
+        """Pool the W column n-grams (levels 0..N−2 plus the predictions), shift the levels."""
+        grams = np.concatenate([self.window, last_level_preds[None, :]], axis=0)  # [N, W]
+        for j in range(grams.shape[1]):
+            self.pool.insert(int(grams[0, j]), grams[1:, j])
+        self.window = grams[1:].copy()
+
+    def observe(self, accepted: list[int]) -> None:
+        """Append newly accepted tokens to the sequence and add the n-grams that end in
+        them to the pool (they are verified text)."""
+        super().observe(accepted)
+        n = self.levels + 1
+        tail = self.sequence[-(n - 1 + len(accepted)):]
+        self.pool.insert_sequence(tail)
+
+
+def new_state(profile: LookaheadProfile | None, vocab: int, prompt_ids, rules: StopRules | None = None):
+    """The state for a request: :class:`LookaheadState` for an enabled profile, else
+    :class:`GreedyState` (``profile`` None or the greedy setting ``enabled = false``)."""
+    if profile is None or not profile.enabled:
+        return GreedyState(prompt_ids, rules)
+    return LookaheadState(profile, vocab, prompt_ids, rules)

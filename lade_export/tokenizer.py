@@ -1,0 +1,192 @@
+"""The runtime's tokenizer: Hugging Face ``tokenizers`` for text ↔ ids and jinja2 for the
+chat template, read from an artifact without transformers.
+
+The build saves the checkpoint's ``tokenizer.json`` and records the chat template and
+the special tokens in the manifest (``tokenizer`` section, docs/manifest.md); the build
+also checks that this class gives the same prompt ids as transformers on sample texts
+and chat turns. Chat templates are rendered the way transformers'
+``apply_chat_template`` renders them: a sandboxed jinja2 environment with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
+filter that keeps non-ASCII characters, the helpers ``raise_exception`` and
+``strftime_now``, the ``{% generation %}`` block, and the special tokens
+(``bos_token``, ``eos_token``, …) as variables; the rendered text is encoded without
+adding special tokens (the template writes them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from functools import cached_property
+from pathlib import Path
+
+from .errors import ArtifactError, GenerationError
+
+
+class Tokenizer:
+    """Text ↔ token ids for one model.
+
+    Args:
+        tokenizer_json: path of a Hugging Face ``tokenizer.json``.
+        chat_template: jinja2 chat template text, or None when the model has none.
+        special_tokens: ``{"bos_token": "<s>", "eos_token": …, "unk_token": …,
+            "pad_token": …}`` (strings or None), visible to the chat template.
+        bos_token_id: id of the BOS token, or None.
+
+    Raises:
+        ArtifactError: ``tokenizer.json`` is missing or unreadable.
+    """
+
+    def __init__(self, tokenizer_json: str | Path, chat_template: str | None = None,
+                 special_tokens: dict | None = None, bos_token_id: int | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(tokenizer_json)
+        if not path.is_file():
+            raise ArtifactError(f"tokenizer file not found: {path}")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as err:  # the Rust library raises a plain Exception on bad JSON
+            raise ArtifactError(f"cannot load tokenizer {path}: {str(err).splitlines()[0]}") from None
+        self.chat_template = chat_template or None
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_manifest(cls, root: str | Path, manifest: dict) -> "Tokenizer":
+        """The tokenizer of an artifact directory, as its manifest describes it."""
+        section = manifest["tokenizer"]
+        return cls(Path(root) / section["file"], section.get("chat_template"), section.get("special_tokens"),
+                   manifest["model"].get("bos_token_id"))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS, when
+        ``add_special_tokens``)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (special tokens such as ``<|im_end|>`` left out by default)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _template(self):
+        from jinja2 import TemplateError
+
+        try:
+            return chat_environment().from_string(self.chat_template)
+        except TemplateError as err:
+            raise GenerationError(f"the model's chat template does not compile: {err}") from None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The chat template applied to ``messages`` (``[{"role", "content"}]``), as text.
+
+        Raises:
+            GenerationError: the model has no chat template, or the template raised
+                (e.g. ``raise_exception`` for a role order it does not accept).
+        """
+        if self.chat_template is None:
+            raise GenerationError("this model has no chat template; pass plain text (--no-chat)")
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens, **extra)
+        except TemplateError as err:
+            raise GenerationError(f"chat template: {err}") from None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+        """Prompt ids of ``messages`` through the chat template (special tokens come from
+        the template, none are added)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        """Prompt ids: the chat template with one user turn (``chat``) or plain text.
+
+        An empty plain prompt becomes the BOS token alone when the tokenizer has one.
+
+        Raises:
+            GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
+        """
+        if chat:
+            return self.apply_chat_template([{"role": "user", "content": text}])
+        ids = self.encode(text) if text else []
+        if not ids:
+            if self.bos_token_id is None:
+                raise GenerationError("empty prompt and this tokenizer has no BOS token: nothing to condition on")
+            ids = [self.bos_token_id]
+        return ids
+
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset:
+        """Ids of byte pieces (``<0xNN>``) when the model falls back to bytes
+        (SentencePiece ``byte_fallback``): a run of them decodes to text only as a whole,
+        so the detokenizer holds a run back until it ends. Empty for byte-level BPE."""
+        import re
+
+        model = json.loads(self._tok.to_str()).get("model", {})
+        if not model.get("byte_fallback"):
+            return frozenset()
+        piece = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+        return frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items() if piece.match(t))
+
+    @cached_property
+    def special_ids(self) -> frozenset:
+        """Ids of special added tokens (left out of decoded text by default)."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def detokenizer(self, skip_special_tokens: bool = True):
+        """A fresh :class:`lade_export.detokenize.IncrementalDetokenizer` on this tokenizer."""
+        from .detokenize import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _raise_exception(message):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def chat_environment():
+    """The jinja2 environment chat templates are rendered in (see the module docstring)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """``{% generation %}…{% endgeneration %}`` marks assistant text for training
+        masks; rendering keeps its body unchanged."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
