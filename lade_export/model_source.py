@@ -14,8 +14,10 @@ Everything loads in float32 on the CPU; the export and the parity check run ther
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import os
 import json
 import re
 import shutil
@@ -117,6 +119,20 @@ def _stop_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if 0 <= i < vocab)
 
 
+@contextlib.contextmanager
+def _quiet_tqdm():
+    """Silence tqdm progress bars inside the block (``TQDM_DISABLE``), restoring the setting after."""
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
+
+
 def _load_gguf(path: Path):
     """Load a GGUF file with transformers; repairs out-of-range special-token ids first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,8 +148,9 @@ def _load_gguf(path: Path):
         except (ValueError, KeyError, IndexError, OSError) as err:
             raise ModelSourceError(f"cannot read GGUF {path.name} (truncated or corrupt?): {str(err).splitlines()[0]}") from None
         try:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            with _quiet_tqdm():  # transformers' GGUF converter draws its own progress bar
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+                tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception as err:  # the GGUF loader raises many types on corrupt files
             raise ModelSourceError(f"cannot load GGUF {path.name}: {str(err).splitlines()[0]}") from None
     finally:

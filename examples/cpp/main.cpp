@@ -1,0 +1,249 @@
+// lade_host: a C++ program that embeds the lade-export runtime.
+//
+// It starts a Python interpreter (the virtual environment where lade-export is
+// installed), loads a built artifact once, and serves several requests at once from
+// C++ threads. Each request's text streams to a C++ callback; one request is cancelled
+// midway; a bad request turns into a C++ exception carrying the runtime's one-line
+// message. Results are printed one JSON object per line on stdout.
+//
+// Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS]
+//
+// Threads and the GIL: the main thread releases the GIL once the model is loaded.
+// A request thread holds the GIL only while it calls into Python (starting the stream,
+// taking the next chunk); ONNX Runtime releases it during each forward pass, so the
+// engine runs requests in parallel, and the C++ callback runs with the GIL released.
+
+#include <pybind11/embed.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace lade {
+
+// A runtime error raised in Python (lade_export.errors.*), as a C++ exception.
+class Error : public std::runtime_error {
+ public:
+  Error(std::string type, const std::string& message)
+      : std::runtime_error(message), type_(std::move(type)) {}
+  const std::string& type() const { return type_; }
+
+ private:
+  std::string type_;
+};
+
+// Rethrow the Python exception being handled as lade::Error (type name + one-line message).
+[[noreturn]] void rethrow(const py::error_already_set& err) {
+  py::gil_scoped_acquire gil;
+  std::string type = py::str(err.type().attr("__name__"));
+  std::string message = py::str(err.value());
+  throw Error(type, message);
+}
+
+// A cancellation flag the Python stream polls before each step (``cancel.is_set()``).
+struct CancelFlag {
+  std::atomic<bool> flag{false};
+  bool is_set() const { return flag.load(); }
+};
+
+struct Stats {
+  int steps = 0;
+  int new_tokens = 0;
+  double compression = 0.0;
+  double decode_s = 0.0;
+  double first_token_s = 0.0;
+};
+
+struct Result {
+  std::string text;
+  std::string stop_reason;
+  Stats stats;
+};
+
+struct Request {
+  std::string prompt;
+  int max_new_tokens = 64;
+  std::optional<std::string> profile;  // none: the artifact's default profile
+  bool lookahead = true;
+};
+
+// One loaded artifact; thread-safe: any thread may call stream() at the same time.
+class Model {
+ public:
+  explicit Model(const std::string& artifact_dir) {
+    py::gil_scoped_acquire gil;
+    try {
+      model_ = py::module_::import("lade_export").attr("load")(artifact_dir);
+    } catch (py::error_already_set& err) {
+      rethrow(err);
+    }
+  }
+
+  ~Model() {
+    py::gil_scoped_acquire gil;
+    model_ = py::object();
+  }
+
+  // Run one request, calling on_text(piece) for every released piece of text (with the
+  // GIL released). Setting cancel->flag from any thread stops it before its next step.
+  Result stream(const Request& req, const std::function<void(const std::string&)>& on_text,
+                CancelFlag* cancel) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::dict kwargs;
+      kwargs["max_new_tokens"] = req.max_new_tokens;
+      kwargs["lookahead"] = req.lookahead;
+      if (req.profile) kwargs["profile"] = *req.profile;
+      if (cancel) kwargs["cancel"] = py::cast(cancel, py::return_value_policy::reference);
+      py::object stream = model_.attr("stream")(req.prompt, **kwargs);
+      Result result;
+      for (py::handle chunk : stream) {
+        std::string piece = py::str(chunk.attr("text"));
+        result.text += piece;
+        if (!piece.empty()) {
+          py::gil_scoped_release release;
+          on_text(piece);
+        }
+      }
+      py::object r = stream.attr("result");
+      py::object s = r.attr("stats");
+      result.stop_reason = py::str(r.attr("stop_reason"));
+      result.stats.steps = s.attr("steps").cast<int>();
+      result.stats.new_tokens = s.attr("new_tokens").cast<int>();
+      result.stats.compression = s.attr("compression_ratio").cast<double>();
+      result.stats.decode_s = s.attr("decode_s").cast<double>();
+      result.stats.first_token_s = s.attr("first_token_s").cast<double>();
+      return result;
+    } catch (py::error_already_set& err) {
+      rethrow(err);
+    }
+  }
+
+ private:
+  py::object model_;
+};
+
+}  // namespace lade
+
+PYBIND11_EMBEDDED_MODULE(lade_host, m) {
+  py::class_<lade::CancelFlag>(m, "CancelFlag").def("is_set", &lade::CancelFlag::is_set);
+}
+
+namespace {
+
+// Start the interpreter of the virtual environment that has lade-export: LADE_PYTHON,
+// else the interpreter CMake was configured with. Its path lets Python find the
+// environment's pyvenv.cfg and site-packages.
+PyConfig interpreter_config() {
+  PyConfig config;
+  PyConfig_InitPythonConfig(&config);
+  const char* python = std::getenv("LADE_PYTHON");
+  if (python == nullptr || *python == '\0') python = LADE_DEFAULT_PYTHON;
+  PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, python);
+  if (PyStatus_Exception(status)) throw std::runtime_error("cannot set the Python program name");
+  config.install_signal_handlers = 0;  // the host owns SIGINT
+  return config;
+}
+
+std::string json_line(int id, const lade::Request& req, const lade::Result& r, const std::string& error) {
+  py::gil_scoped_acquire gil;
+  py::dict d;
+  d["id"] = id;
+  d["prompt"] = req.prompt;
+  d["profile"] = req.lookahead ? (req.profile ? py::cast(*req.profile) : py::none()) : py::cast("greedy");
+  if (!error.empty()) {
+    d["error"] = error;
+  } else {
+    d["text"] = r.text;
+    d["stop_reason"] = r.stop_reason;
+    d["steps"] = r.stats.steps;
+    d["new_tokens"] = r.stats.new_tokens;
+    d["compression"] = r.stats.compression;
+    d["decode_s"] = r.stats.decode_s;
+    d["first_token_s"] = r.stats.first_token_s;
+  }
+  return py::str(py::module_::import("json").attr("dumps")(d, py::arg("ensure_ascii") = false));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS]\n";
+    return 2;
+  }
+  const std::string artifact = argv[1];
+  const int max_new = argc > 2 ? std::atoi(argv[2]) : 64;
+
+  PyConfig config = interpreter_config();
+  py::scoped_interpreter interpreter{&config};
+  py::module_::import("lade_host");  // register CancelFlag
+
+  std::optional<lade::Model> model;
+  try {
+    model.emplace(artifact);
+  } catch (const lade::Error& err) {
+    std::cerr << "error: " << err.what() << "\n";
+    return 2;
+  }
+
+  std::vector<lade::Request> requests = {
+      {"Once upon a time", max_new, std::string("default"), true},
+      {"Tom and Sue went to the beach.", max_new, std::string("small"), true},
+      {"The little dog", max_new, std::string("1,2,1,10"), true},
+      {"One day, a girl named Lily", max_new, std::nullopt, false},  // plain greedy; cancelled midway
+  };
+  const size_t cancelled = 3;
+  std::vector<lade::Result> results(requests.size());
+  std::vector<std::string> errors(requests.size());
+  std::vector<lade::CancelFlag> flags(requests.size());
+  std::mutex print;
+
+  {
+    py::gil_scoped_release release;  // the request threads take the GIL as they need it
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] {
+        int pieces = 0;
+        auto on_text = [&](const std::string& piece) {
+          ++pieces;
+          if (i == cancelled && pieces == 3) flags[i].flag = true;  // cancel after three pieces
+          std::lock_guard<std::mutex> lock(print);
+          std::cerr << "[request " << i << "] " << piece << "\n";
+        };
+        try {
+          results[i] = model->stream(requests[i], on_text, &flags[i]);
+        } catch (const lade::Error& err) {
+          errors[i] = err.type() + ": " + err.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  for (size_t i = 0; i < requests.size(); ++i) std::cout << json_line(int(i), requests[i], results[i], errors[i]) << "\n";
+
+  // A bad request reaches C++ as an exception with the runtime's message.
+  lade::Request bad{"Once upon a time", max_new, std::string("no-such-profile"), true};
+  try {
+    py::gil_scoped_release release;
+    model->stream(bad, [](const std::string&) {}, nullptr);
+    std::cout << json_line(-1, bad, {}, "no exception") << "\n";
+    return 1;
+  } catch (const lade::Error& err) {
+    std::cout << json_line(-1, bad, {}, err.type() + ": " + err.what()) << "\n";
+  }
+  model.reset();
+  return 0;
+}

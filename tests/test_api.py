@@ -1,0 +1,260 @@
+"""The embeddable runtime on stories260K: the one-call API, streaming text, stop strings,
+cancellation, timeouts and many requests on one engine — every output checked against
+the reference greedy oracle or the serial run."""
+
+import gc
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+
+import lade_export
+from lade_export.errors import GenerationError, ProfileError
+from lade_export.profile import LookaheadProfile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model(stories_artifact):
+    m = lade_export.load(stories_artifact)
+    yield m
+    m.close()
+
+
+def _oracle(reference_greedy, i=0):
+    return reference_greedy["cases"][i]
+
+
+def test_generate_through_the_api_imports_neither_torch_nor_transformers(stories_artifact, reference_greedy):
+    code = (
+        "import sys, lade_export\n"
+        f"m = lade_export.load({str(stories_artifact)!r})\n"
+        "r = m.generate('Once upon a time', max_new_tokens=30, profile='default')\n"
+        "print(r.token_ids)\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ids, modules = proc.stdout.strip().splitlines()
+    assert eval(ids) == _oracle(reference_greedy)["greedy_ids"][:30]
+    assert modules == "False False"
+
+
+def test_plain_text_prompt_without_chat_template_matches_the_oracle(model, reference_greedy):
+    case = _oracle(reference_greedy)
+    assert model.encode("Once upon a time") == case["prompt_ids"]
+    result = model.generate("Once upon a time", max_new_tokens=40)
+    assert result.token_ids == case["greedy_ids"][:40]
+    assert result.text == model.tokenizer.decode(case["greedy_ids"][:40])
+    assert result.stop_reason == "max_new_tokens"
+    assert model.default_profile.name == "default"
+
+
+def test_streamed_chunks_concatenate_to_the_result(model, reference_greedy):
+    stream = model.stream("Once upon a time", max_new_tokens=64, profile="small")
+    chunks = list(stream)
+    assert chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == stream.result.text
+    assert [t for c in chunks for t in c.token_ids] == stream.result.token_ids == _oracle(reference_greedy)["greedy_ids"][:64]
+    assert stream.result.stats.steps == len(chunks)  # one chunk per decode step
+    assert any(len(c.token_ids) > 1 for c in chunks)  # lookahead accepted blocks
+
+
+def test_inline_profiles_with_four_numbers_and_greedy(model, reference_greedy):
+    ids = _oracle(reference_greedy, 1)["prompt_ids"]
+    expected = _oracle(reference_greedy, 1)["greedy_ids"][:48]
+    assert model.generate(ids, max_new_tokens=48, profile="1,2,1,10").token_ids == expected
+    plain = model.generate(ids, max_new_tokens=48, lookahead=False)
+    assert plain.token_ids == expected and plain.stats.steps == 48
+    assert model.generate(ids, max_new_tokens=48, profile=LookaheadProfile(3, 3, 3)).token_ids == expected
+
+
+def _shortest_prefix_containing(tok, ids, stop):
+    """Fewest leading ids whose text contains ``stop``."""
+    return next(k for k in range(len(ids) + 1) if stop in tok.decode(ids[:k]))
+
+
+def test_stop_string_inside_a_block_accepted_in_one_step(model, reference_greedy):
+    case = _oracle(reference_greedy, 1)
+    tok = model.tokenizer
+    full = model.generate(case["prompt_ids"], max_new_tokens=128, profile="default")
+    chunks = list(model.stream(case["prompt_ids"], max_new_tokens=128, profile="default"))
+    # a block of ≥ 3 tokens whose 2nd+3rd tokens' text first appears there: a stop string
+    # that completes in the middle of a block accepted in one step
+    starts = [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+    found = None
+    for chunk, n_before in zip(chunks, starts):
+        if len(chunk.token_ids) >= 4:
+            stop = tok.decode(full.token_ids[: n_before + 3])[len(tok.decode(full.token_ids[: n_before + 1])):]
+            if stop.strip() and _shortest_prefix_containing(tok, full.token_ids, stop) == n_before + 3:
+                found = (chunk, n_before, stop)
+                break
+    assert found is not None
+    block, n_before, stop = found
+    result = model.generate(case["prompt_ids"], max_new_tokens=128, profile="default", stop=stop)
+    cut = n_before + 3
+    assert result.stop_reason == "stop_string"
+    assert result.token_ids == full.token_ids[:cut]
+    assert result.text == full.text[: full.text.index(stop)]
+
+
+def test_stop_string_spanning_tokens_and_several_strings(model, reference_greedy):
+    case = _oracle(reference_greedy, 0)
+    greedy = case["greedy_ids"]
+    text = model.tokenizer.decode(greedy[:128])
+    stop = "girl na"  # " girl" and " named" are separate tokens: the string spans them
+    result = model.generate(case["prompt_ids"], max_new_tokens=128, profile="small", stop=[stop, "park"])
+    assert result.text == text[: text.index(stop)]
+    assert result.token_ids == greedy[: len(result.token_ids)]
+    assert stop in model.tokenizer.decode(result.token_ids)
+    assert stop not in model.tokenizer.decode(result.token_ids[:-1])
+    earlier = model.generate(case["prompt_ids"], max_new_tokens=128, profile="small", stop=["park", "Lily"])
+    assert earlier.text == text[: text.index("Lily")]  # the first match in the text wins
+    streamed = "".join(c.text for c in model.stream(case["prompt_ids"], max_new_tokens=128, stop=[stop]))
+    assert streamed == result.text  # no part of the stop string was streamed
+
+
+def test_greedy_and_lookahead_stop_at_the_same_token(model, reference_greedy):
+    case = _oracle(reference_greedy, 2)
+    stops = ["the", ". ", "!"]
+    look = model.generate(case["prompt_ids"], max_new_tokens=128, profile="default", stop=stops)
+    plain = model.generate(case["prompt_ids"], max_new_tokens=128, lookahead=False, stop=stops)
+    assert look.token_ids == plain.token_ids and look.text == plain.text
+    assert look.stop_reason == plain.stop_reason == "stop_string"
+
+
+def test_cancel_mid_stream_frees_the_cache_and_the_engine_keeps_serving(model, reference_greedy):
+    case = _oracle(reference_greedy, 0)
+    decoder = model.decoder
+    stream = model.stream(case["prompt_ids"], max_new_tokens=200, profile="default")
+    first = next(stream)
+    assert decoder.active_requests == 1 and decoder.kv_cache_bytes > 0
+    frame_cache = [v for v in stream._chunks.gi_frame.f_locals.values() if type(v).__name__ == "KVCache"][0]
+    watch = weakref.ref(frame_cache)
+    del frame_cache
+    stream.cancel()
+    rest = list(stream)
+    assert rest[-1].stop_reason == "cancelled" and len(rest) == 1  # stopped before its next step
+    got = first.token_ids + rest[-1].token_ids
+    assert got == case["greedy_ids"][: len(got)] and len(got) < 200
+    assert stream.result.stop_reason == "cancelled"
+    del stream, rest
+    gc.collect()
+    assert watch() is None
+    assert decoder.active_requests == 0 and decoder.kv_cache_bytes == 0
+    again = model.generate(case["prompt_ids"], max_new_tokens=64)
+    assert again.token_ids == case["greedy_ids"][:64]
+
+
+def test_closing_a_stream_early_ends_the_request(model, reference_greedy):
+    case = _oracle(reference_greedy, 1)
+    with model.stream(case["prompt_ids"], max_new_tokens=100) as stream:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+    assert model.decoder.active_requests == 0
+    event = threading.Event()
+    event.set()
+    cancelled = model.generate(case["prompt_ids"], max_new_tokens=100, cancel=event)
+    assert cancelled.stop_reason == "cancelled" and cancelled.token_ids == [] and cancelled.stats.steps == 0
+    timed_out = model.generate(case["prompt_ids"], max_new_tokens=100, timeout_s=0.0)
+    assert timed_out.stop_reason == "timeout" and timed_out.token_ids == []
+
+
+def test_eight_threads_with_different_prompts_and_profiles_equal_their_serial_runs(model, reference_greedy):
+    prompts = ["Once upon a time", "Tom and Sue went to the beach.", "The little dog", "One day, a girl named Lily",
+               "The sun was shining", "Ben had a red ball", "Mom said", "A big bird"]
+    profiles = ["default", "small", "1,2,1,10", None, "paper", "3,3,3", "default", "2,4,2,4"]
+    serial = [model.generate(p, max_new_tokens=80, profile=f, lookahead=f is not None, stop=["!"])
+              for p, f in zip(prompts, profiles)]
+    results = [None] * 8
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        try:
+            barrier.wait()
+            stream = model.stream(prompts[i], max_new_tokens=80, profile=profiles[i], lookahead=profiles[i] is not None,
+                                  stop=["!"])
+            text = "".join(c.text for c in stream)
+            results[i] = (text, stream.result)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for (text, result), ref in zip(results, serial):
+        assert result.token_ids == ref.token_ids and text == ref.text == result.text
+    assert model.decoder.active_requests == 0
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(max_new_tokens=600), GenerationError,
+     "prompt (5 tokens) + max_new_tokens (600) = 605 exceeds the model's context of 512 tokens"),
+    (dict(max_new_tokens=0), GenerationError, "max_new_tokens must be an integer ≥ 1, got 0"),
+    (dict(profile="nope"), ProfileError, "profile file not found: nope"),
+    (dict(profile="100,5,100"), ProfileError, "its largest step (801 tokens) does not fit the model's context of 512"),
+    (dict(chat=True), GenerationError, "this model has no chat template; pass plain text (--no-chat)"),
+])
+def test_bad_requests_fail_before_any_work(model, kwargs, error, message):
+    with pytest.raises(error) as info:
+        model.stream("Once upon a time", **kwargs)
+    assert message in str(info.value)
+    assert model.decoder.active_requests == 0
+
+
+LLAMA2_STYLE_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}{% set messages = messages[1:] %}"
+    "{% else %}{% set sys = false %}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' }}"
+    "{% if loop.first and sys %}{{ '<<SYS>>\\n' + sys + '\\n<</SYS>>\\n\\n' }}{% endif %}"
+    "{{ message['content'] | trim + ' [/INST]' }}"
+    "{% else %}{% generation %}{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endgeneration %}{% endif %}"
+    "{% endfor %}{{ {'k': 'é'} | tojson }}"
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Tell me a story about a cat."}],
+    [{"role": "system", "content": "You are kind."}, {"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello, friend."}, {"role": "user", "content": "  Where is the café? 😀 "}],
+]
+
+
+def test_chat_template_renders_like_transformers(stories_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lade_export.tokenizer import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(stories_dir)
+    hf.chat_template = LLAMA2_STYLE_TEMPLATE
+    ours = Tokenizer(stories_dir / "tokenizer.json", LLAMA2_STYLE_TEMPLATE, hf.special_tokens_map, hf.bos_token_id)
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            ref = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+            assert ours.apply_chat_template(messages, add_generation_prompt=gen) == ref
+            assert ours.render_chat(messages, gen) == hf.apply_chat_template(messages, add_generation_prompt=gen,
+                                                                             tokenize=False)
+    with pytest.raises(GenerationError, match="chat template: roles must alternate user/assistant"):
+        ours.apply_chat_template([{"role": "assistant", "content": "first"}])
+
+
+def test_readme_python_example_runs_as_written(stories_artifact, tmp_path):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = readme.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "smollm2").symlink_to(stories_artifact)  # the README's path, a stories build behind it
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "steps" in proc.stdout and "compression" in proc.stdout
