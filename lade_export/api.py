@@ -23,6 +23,7 @@ from .artifact import Artifact
 from .errors import GenerationError
 from .profile import LookaheadProfile, resolve_profile
 from .runtime import Chunk, Decoder, GenerationResult, collect
+from .sampling import SamplingParams
 
 
 def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
@@ -153,7 +154,8 @@ class Model:
         return resolve_profile(profile)
 
     def stream(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
-               lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None) -> Stream:
+               lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Stream:
         """Start a request and return its :class:`Stream` of chunks.
 
         Args:
@@ -163,27 +165,36 @@ class Model:
             stop: a stop string or a list of them; the text is cut before the first match.
             cancel: an extra ``threading.Event`` that cancels the request when set.
             timeout_s: stop at the first step boundary after this many seconds.
+            temperature, top_k, top_p, seed: the decoding rule (see
+                :class:`lade_export.sampling.SamplingParams`): temperature 0 (the default)
+                is greedy decoding; > 0 samples, with lookahead keeping plain sampling's
+                distribution. The same seed gives the same output on the same engine.
 
         Raises:
             GenerationError, ProfileError: bad request (before any work).
         """
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
         ids = self.encode(prompt, chat)
         prof = self.resolve_profile(profile, lookahead)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         own = threading.Event()
         either = _AnyEvent(own, cancel) if cancel is not None else own
-        chunks = self.decoder.stream(ids, max_new_tokens, prof, stop=stops, cancel=either, timeout_s=timeout_s)
+        chunks = self.decoder.stream(ids, max_new_tokens, prof, stop=stops, cancel=either, timeout_s=timeout_s,
+                                     sampling=sampling)
         return Stream(lambda: chunks, own)
 
     def generate(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
-                 lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None) -> GenerationResult:
+                 lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
+                 ) -> GenerationResult:
         """Run a request to the end (arguments as in :meth:`stream`).
 
         Returns:
             :class:`lade_export.runtime.GenerationResult`: new token ids, text, stop reason, stats.
         """
         stream = self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead,
-                             stop=stop, cancel=cancel, timeout_s=timeout_s)
+                             stop=stop, cancel=cancel, timeout_s=timeout_s, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed)
         for _ in stream:
             pass
         return stream.result

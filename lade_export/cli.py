@@ -210,9 +210,16 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--chat/--no-chat", default=None,
               help="Wrap the prompt in the model's chat template (default: when the model has one).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--greedy", is_flag=True, help="Plain greedy decoding (no lookahead).")
+@click.option("--greedy", is_flag=True, help="Plain greedy decoding: no lookahead, temperature 0.")
+@click.option("--lookahead/--no-lookahead", default=True, show_default=True,
+              help="Lookahead decoding, or one token per step (with either decoding rule).")
 @click.option("--profile", "profile_value", default=None,
               help="Lookahead profile: shipped name, TOML path or W,N,G[,K] (default: the build's default).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0: greedy decoding; > 0: sampling (lookahead keeps plain sampling's distribution).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1.0: off).")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same output).")
 @click.option("--stop", "stops", multiple=True, help="Stop string: the answer ends before it (repeatable).")
 @click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
@@ -221,18 +228,26 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
 @click.option("--verify", is_flag=True, help="Also check the weights' sha256 before loading (~1 s per GB).")
 @click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
-def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, profile_value, stops,
-             backend, device, dtype, threads, verify, check_greedy):
-    """Generate from a built artifact with lookahead (or --greedy) decoding: the text streams
-    to stdout, the statistics go to stderr."""
+def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, lookahead, profile_value,
+             temperature, top_k, top_p, seed, stops, backend, device, dtype, threads, verify, check_greedy):
+    """Generate from a built artifact with lookahead (or --no-lookahead) decoding, greedy or
+    sampled: the text streams to stdout, the statistics go to stderr."""
     from .api import load
+    from .sampling import SamplingParams
 
+    if greedy and temperature > 0:
+        raise GenerationError("--greedy means temperature 0; drop it to sample with --temperature")
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    if check_greedy and not sampling.greedy:
+        raise GenerationError("--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0")
+    lookahead = lookahead and not greedy
     model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype,
                  verify="full" if verify else "quick")
     use_chat = model.tokenizer.has_chat_template if chat is None else chat
     ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat)
-    profile = model.resolve_profile(profile_value, lookahead=not greedy)
-    stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=not greedy, stop=stops)
+    profile = model.resolve_profile(profile_value, lookahead=lookahead)
+    stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead, stop=stops,
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     for chunk in stream:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -242,8 +257,8 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if profile is not None and not profile.enabled:
         profile = None
     mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
-        (f", K={profile.lookup})" if profile.lookup else ")") if profile else "greedy"
-    click.echo(f"[{mode}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
+        (f", K={profile.lookup})" if profile.lookup else ")") if profile else "no lookahead"
+    click.echo(f"[{mode}, {sampling.describe()}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
     if check_greedy and profile is not None:
         base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
         same = base.token_ids == result.token_ids
@@ -276,10 +291,16 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--title", default="", help="Title for summary.md (e.g. the machine).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="> 0: compare under sampling (baseline: plain sampling; exactness n/a).")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompt i samples with seed SEED + i.")
 def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers, out, backend, device, dtype, threads,
-            title):
-    """Run greedy and each profile (and peers) on a workload, interleaved; check exactness;
-    write results.jsonl, summary.md/.csv and speedup.png."""
+            title, temperature, top_k, top_p, seed):
+    """Run the baseline (greedy, or plain sampling with --temperature) and each profile (and
+    peers) on a workload, interleaved; check exactness (greedy); write results.jsonl,
+    summary.md/.csv and speedup.png."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -287,7 +308,9 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     from .compare import environment, run_compare, summarize, write_outputs
     from .datasets import load_prompts
     from .errors import CheckFailedError
+    from .sampling import SamplingParams
 
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, device, dtype, threads)
     profiles = [resolve_profile(v) for v in profile_values] if profile_values else artifact.profiles()
     for profile in profiles:
@@ -303,11 +326,12 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("comparing", total=total)
         records = run_compare(decoder, tokenizer, chat, list(datasets), profiles, limit, max_new_tokens, peers,
-                              peer_model, progress=lambda n: progress.advance(task, n))
+                              peer_model, progress=lambda n: progress.advance(task, n), sampling=sampling)
     rows = summarize(records)
     meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
             "backend": f"{backend} ({device}, {dtype if backend == 'torch' else 'float32'})",
-            "threads": threads or "default", "datasets": ", ".join(datasets), "limit": limit,
+            "threads": threads or "default", "decoding": sampling.describe(), "datasets": ", ".join(datasets),
+            "limit": limit,
             "max_new_tokens": max_new_tokens, "command": "lade-export compare " + " ".join(sys.argv[2:])}
     write_outputs(out, records, rows, meta)
     table = Table(title=f"compare: {', '.join(datasets)} ({limit} prompts, {max_new_tokens} new tokens max)")
@@ -315,10 +339,11 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
         table.add_column(col)
     for r in rows:
         table.add_row(r["dataset"], r["config"], f"{r['compression_mean']:.2f}", f"{r['decode_tok_s']:.1f}",
-                      f"{r['speedup_vs_greedy']:.2f}x", f"{r['p50_ms_per_token']:.1f}", f"{r['exact']}/{r['prompts']}")
+                      f"{r['speedup_vs_baseline']:.2f}x", f"{r['p50_ms_per_token']:.1f}",
+                      "n/a" if r["exact"] is None else f"{r['exact']}/{r['prompts']}")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv, speedup.png")
-    bad = [r for r in records if not r.exact and r.config not in ("transformers-greedy",)]
+    bad = [r for r in records if r.exact is False and r.config not in ("transformers-greedy",)]
     if bad:
         first = bad[0]
         raise CheckFailedError(f"{len(bad)} output(s) differ from {first.reference}: first {first.config} on "

@@ -6,6 +6,11 @@ Every lookahead configuration's output is checked token for token against plain 
 on the same engine; the transformers prompt-lookup peer is checked against the
 transformers greedy peer (or against the engine's greedy when that peer is absent).
 
+Under sampling (temperature > 0) the baseline is plain sampling on the same engine
+(configuration ``sampling``), each prompt gets its own seed (``seed + prompt index``),
+outputs cannot match token for token (the exact column reads n/a and nothing fails on a
+mismatch), and the speedup is the ratio of decode tokens per second.
+
 Outputs in ``--out``: ``results.jsonl`` (one record per prompt × configuration),
 ``summary.md`` and ``summary.csv`` (per dataset × configuration), ``speedup.png``.
 """
@@ -23,13 +28,16 @@ from pathlib import Path
 import numpy as np
 
 GREEDY = "greedy"
+SAMPLING = "sampling"  # the baseline under sampling: plain sampling, no lookahead
+BASELINES = (GREEDY, SAMPLING)
 PEERS = ("transformers-greedy", "transformers-prompt-lookup")
 PROMPT_LOOKUP_TOKENS = 10
 
 
 @dataclasses.dataclass
 class RunRecord:
-    """One prompt × configuration. Times in seconds; ``exact`` against the reference greedy."""
+    """One prompt × configuration. Times in seconds; ``exact`` against the reference greedy
+    (None under sampling: outputs are not comparable token for token)."""
 
     dataset: str
     prompt_id: str
@@ -40,7 +48,7 @@ class RunRecord:
     prefill_s: float
     decode_s: float
     acceptance_histogram: dict
-    exact: bool
+    exact: bool | None
     reference: str
     token_ids: list
     host_s: float = 0.0
@@ -67,17 +75,22 @@ class _FirstTokenClock:
         pass
 
 
-def run_peer(model, name: str, prompt_ids: list, max_new_tokens: int, stop_ids: list) -> dict:
+def run_peer(model, name: str, prompt_ids: list, max_new_tokens: int, stop_ids: list, sampling=None) -> dict:
     """Run a transformers ``generate`` peer; returns new ids, prefill/decode seconds, steps.
 
     Decode time runs from the first new token to the end (the peer's prefill emits the
-    first token), so decode tokens are ``new − 1``.
+    first token), so decode tokens are ``new − 1``. With ``sampling`` (temperature > 0)
+    the peer samples with the same temperature / top-k / top-p, seeded by ``torch.manual_seed``.
     """
     import torch
 
     ids = torch.tensor([prompt_ids])
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids or None,
                   pad_token_id=(stop_ids or [0])[0], attention_mask=torch.ones_like(ids))
+    if sampling is not None and not sampling.greedy:
+        torch.manual_seed(sampling.seed or 0)
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                      top_p=sampling.top_p)
     if name == "transformers-prompt-lookup":
         kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
     clock = _FirstTokenClock()
@@ -96,8 +109,10 @@ def _pct(values, q):
 
 
 def summarize(records: list[RunRecord]) -> list[dict]:
-    """Per dataset × configuration: compression mean/median, decode tok/s, speedup vs
-    greedy (ratio of total decode times), p50/p90 decode time per token (ms), exact count."""
+    """Per dataset × configuration: compression mean/median, decode tok/s, speedup vs the
+    baseline (decode tok/s ratio; for exact greedy runs, which emit the same tokens, the
+    ratio of total decode times), p50/p90 decode time per token (ms), exact count (None
+    under sampling)."""
     rows = []
     keys = []
     for r in records:
@@ -105,13 +120,13 @@ def summarize(records: list[RunRecord]) -> list[dict]:
             keys.append((r.dataset, r.config))
     for dataset, config in keys:
         mine = [r for r in records if r.dataset == dataset and r.config == config]
-        base = [r for r in records if r.dataset == dataset and r.config == GREEDY]
+        base = [r for r in records if r.dataset == dataset and r.config in BASELINES]
         peer = config in PEERS
         # Peers emit their first token in prefill; count decode tokens as new − 1 for them.
         tokens = sum(max(r.new_tokens - (1 if peer else 0), 0) for r in mine)
         decode = sum(r.decode_s for r in mine)
         base_decode = sum(r.decode_s for r in base)
-        base_tokens = sum(r.new_tokens for r in base)
+        base_tokens = sum(r.new_tokens for r in base)  # baselines are ours: no prefill-emitted token
         comp = [r.new_tokens / r.steps for r in mine if r.steps]
         per_tok = [1000 * r.decode_s / max(r.new_tokens - (1 if peer else 0), 1) for r in mine]
         tok_s = tokens / decode if decode else 0.0
@@ -124,11 +139,10 @@ def summarize(records: list[RunRecord]) -> list[dict]:
             "compression_mean": float(np.mean(comp)) if comp else 0.0,
             "compression_median": float(np.median(comp)) if comp else 0.0,
             "decode_tok_s": tok_s,
-            "speedup_vs_greedy": (tok_s / base_tok_s) if peer and base_tok_s else
-            (base_decode / decode if decode else 0.0),
+            "speedup_vs_baseline": (tok_s / base_tok_s) if base_tok_s else 0.0,
             "p50_ms_per_token": _pct(per_tok, 50),
             "p90_ms_per_token": _pct(per_tok, 90),
-            "exact": sum(r.exact for r in mine),
+            "exact": None if any(r.exact is None for r in mine) else sum(r.exact for r in mine),
             "host_share": (sum(r.host_s for r in mine) / decode) if decode and not peer else 0.0,
         })
     return rows
@@ -175,21 +189,24 @@ def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: d
 
 def render_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# lade-export compare — {meta.get('title', '')}".rstrip(" —"), ""]
-    for k in ("date", "cpu", "cores", "artifact", "model", "backend", "threads", "datasets", "limit", "max_new_tokens",
-              "python", "torch", "onnxruntime", "transformers", "lade_export", "command"):
+    for k in ("date", "cpu", "cores", "artifact", "model", "backend", "threads", "decoding", "datasets", "limit",
+              "max_new_tokens", "python", "torch", "onnxruntime", "transformers", "lade_export", "command"):
         if k in meta:
             lines.append(f"- **{k}**: {meta[k]}")
-    lines += ["", "Speedup = total greedy decode time / total decode time of the configuration (same prompts, same "
-              "tokens when exact); peers: decode tokens/s ratio. Compression = new tokens per forward pass.", "",
-              "| dataset | configuration | prompts | compression mean | median | decode tok/s | speedup vs greedy | "
+    lines += ["", "Speedup = decode tokens/s of the configuration / decode tokens/s of the baseline on the same prompts "
+              "(greedy; under sampling, plain sampling). Exact greedy runs emit the same tokens, so it is also the ratio "
+              "of total decode times; peers count decode tokens as new tokens − 1 (their prefill emits one). "
+              "Compression = new tokens per forward pass. Exact = outputs identical to the reference (n/a under "
+              "sampling).", "",
+              "| dataset | configuration | prompts | compression mean | median | decode tok/s | speedup vs baseline | "
               "p50 ms/token | p90 ms/token | host share | exact |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         host = "—" if r["config"] in PEERS else f"{100 * r['host_share']:.1f}%"
         lines.append(f"| {r['dataset']} | {r['config']} | {r['prompts']} | {r['compression_mean']:.2f} | "
-                     f"{r['compression_median']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_greedy']:.2f}× | "
+                     f"{r['compression_median']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_baseline']:.2f}× | "
                      f"{r['p50_ms_per_token']:.1f} | {r['p90_ms_per_token']:.1f} | {host} | "
-                     f"{r['exact']}/{r['prompts']} |")
+                     f"{'n/a' if r['exact'] is None else str(r['exact']) + '/' + str(r['prompts'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -204,7 +221,7 @@ def plot_summary(rows: list[dict], path: Path) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(len(configs), 1)
-    for ax, key, title in ((axes[0], "speedup_vs_greedy", "decode speedup vs greedy (×)"),
+    for ax, key, title in ((axes[0], "speedup_vs_baseline", "decode speedup vs baseline (×)"),
                            (axes[1], "compression_mean", "compression (tokens per forward pass)")):
         for i, config in enumerate(configs):
             vals = [next((r[key] for r in rows if r["dataset"] == d and r["config"] == config), 0.0) for d in datasets]
@@ -221,8 +238,9 @@ def plot_summary(rows: list[dict], path: Path) -> None:
 
 
 def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: list, limit: int, max_new_tokens: int,
-                peers=(), peer_model=None, progress=None) -> list[RunRecord]:
-    """Run greedy, every profile and every peer on each prompt, interleaved.
+                peers=(), peer_model=None, progress=None, sampling=None) -> list[RunRecord]:
+    """Run the baseline (greedy, or plain sampling), every profile and every peer on each
+    prompt, interleaved.
 
     Args:
         decoder: a :class:`lade_export.runtime.Decoder` on the engine under test.
@@ -232,19 +250,28 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
         limit: prompts per dataset; max_new_tokens: per generation.
         peers: names from :data:`PEERS`; ``peer_model`` is the transformers model they run.
         progress: optional ``callable(advance_by)``.
+        sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
+            greedy); prompt ``i`` of the run samples with seed ``sampling.seed + i``.
 
     Returns:
         every :class:`RunRecord`, in run order.
     """
+    import dataclasses as dc
+
     from .datasets import load_prompts
 
+    sampled = sampling is not None and not sampling.greedy
+    baseline = SAMPLING if sampled else GREEDY
     records = []
     stop_ids = sorted(decoder.stop_token_ids)
+    index = 0
     for dataset in datasets:
         for prompt in load_prompts(dataset, limit=limit, chat=chat):
             ids = tokenizer.encode_prompt(prompt.text, chat)
             budget = min(max_new_tokens, decoder.max_context - len(ids))
-            base = decoder.generate(ids, budget, None)
+            params = dc.replace(sampling, seed=(sampling.seed or 0) + index) if sampled else None
+            index += 1
+            base = decoder.generate(ids, budget, None, sampling=params)
             label = prompt.dataset
 
             def record(config, res_ids, steps, prefill, decode, hist, exact, reference, host=0.0):
@@ -254,20 +281,21 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
                     progress(1)
 
             s = base.stats
-            record(GREEDY, base.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"], True,
-                   GREEDY, s.host_s)
+            record(baseline, base.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"],
+                   None if sampled else True, baseline, s.host_s)
             for profile in profiles:
-                res = decoder.generate(ids, budget, profile)
+                res = decoder.generate(ids, budget, profile, sampling=params)
                 s = res.stats
                 record(profile.name, res.token_ids, s.steps, s.prefill_s, s.decode_s,
-                       s.as_dict()["acceptance_histogram"], res.token_ids == base.token_ids, GREEDY, s.host_s)
+                       s.as_dict()["acceptance_histogram"], None if sampled else res.token_ids == base.token_ids,
+                       baseline, s.host_s)
             peer_greedy = None
             for peer in peers:
-                out = run_peer(peer_model, peer, ids, budget, stop_ids)
+                out = run_peer(peer_model, peer, ids, budget, stop_ids, params)
                 if peer == "transformers-greedy":
                     peer_greedy = out["token_ids"]
-                reference = "transformers-greedy" if peer != "transformers-greedy" and peer_greedy is not None else GREEDY
+                reference = "transformers-greedy" if peer != "transformers-greedy" and peer_greedy is not None else baseline
                 ref_ids = peer_greedy if reference == "transformers-greedy" else base.token_ids
                 record(peer, out["token_ids"], out["steps"], out["prefill_s"], out["decode_s"],
-                       {}, out["token_ids"] == ref_ids, reference)
+                       {}, None if sampled else out["token_ids"] == ref_ids, reference)
     return records

@@ -16,7 +16,11 @@ after exactly the accepted prefix, so the output equals plain greedy output.
 
 Both share :class:`StopRules` (stop token ids, ``max_new_tokens``, and a per-token text
 check for stop strings), applied token by token inside an accepted block, so a stop in
-the middle of a block ends the output exactly where greedy decoding would.
+the middle of a block ends the output exactly where greedy decoding would, and a decoding
+rule from :mod:`lade_export.sampling` — :class:`~lade_export.sampling.GreedyRule` (argmax;
+candidates accepted when equal to it) or :class:`~lade_export.sampling.SamplingRule`
+(temperature, top-k, top-p; candidates accepted by the rule that keeps plain sampling's
+distribution). The Jacobi window always advances on the argmax predictions.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from .ngram import HistoryIndex, NGramPool, StepLayout, build_trie, step_template
 from .profile import LookaheadProfile
+from .sampling import GreedyRule, SamplingParams, new_rule
 
 
 @dataclasses.dataclass
@@ -80,26 +85,32 @@ class StopRules:
 
 
 class GreedyState:
-    """Plain greedy decoding: each step feeds the last token and accepts the argmax.
+    """Plain decoding, one token per step: the last token is fed and the rule picks the next
+    (greedy: the argmax; sampling: a draw from the filtered distribution).
 
     Args:
         prompt_ids: the prompt's token ids.
         rules: stop rules (default: none).
+        rule: the decoding rule (default: :class:`~lade_export.sampling.GreedyRule`).
     """
 
-    needs_logits = False
-
-    def __init__(self, prompt_ids, rules: StopRules | None = None):
+    def __init__(self, prompt_ids, rules: StopRules | None = None, rule=None):
         self.sequence = [int(t) for t in prompt_ids]
         self.rules = rules or StopRules()
+        self.rule = rule or GreedyRule()
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether :meth:`update` reads ``logits`` (sampling) or only ``next_token_ids``."""
+        return self.rule.needs_logits
 
     def prepare(self, last_token: int, past_len: int) -> StepLayout:
         """One token at position ``past_len``; its logits row is read."""
         return StepLayout.single(last_token, past_len)
 
     def verify(self, layout: StepLayout, outputs: dict) -> tuple[list[int], np.ndarray | None]:
-        """Greedy choice: the argmax after the last token (``next_token_ids`` row 0)."""
-        return [int(outputs["next_token_ids"][0, 0])], None
+        """The rule's choice after the last token (logits row 0)."""
+        return [self.rule.choose(outputs, 0, [])[0]], None
 
     def update(self, layout: StepLayout, outputs: dict) -> Verdict:
         """Verify the step's outputs, apply the stop rules, extend the sequence.
@@ -129,12 +140,13 @@ class LookaheadState(GreedyState):
         vocab: vocabulary size.
         prompt_ids: the prompt's token ids (window initialisation, pool seeding, history).
         rules: stop rules (default: none).
+        rule: the decoding rule that verifies candidates (default: greedy).
         seed: seed of the window's initial draw from the prompt tokens.
     """
 
     def __init__(self, profile: LookaheadProfile, vocab: int, prompt_ids, rules: StopRules | None = None,
-                 seed: int = 0):
-        super().__init__(prompt_ids, rules)
+                 rule=None, seed: int = 0):
+        super().__init__(prompt_ids, rules, rule)
         self.profile = profile
         self.levels = profile.levels
         self.pool = NGramPool(vocab, self.levels, profile.guesses)
@@ -161,39 +173,41 @@ class LookaheadState(GreedyState):
     def prepare(self, last_token: int, past_len: int) -> StepLayout:
         """Layout of the next step: ``last_token`` at position ``past_len``, the window,
         and the verification trie of :meth:`candidates`."""
-        tokens, parents, children = build_trie(self.candidates(last_token))
+        tokens, parents, _ = build_trie(self.candidates(last_token))
         offsets, mask, logit_rows = step_template(self.profile.window, self.levels, parents)
         ids = np.concatenate([[last_token], self.window.reshape(-1), tokens]).astype(np.int64)
-        return StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents, children,
-                          self.profile.window, self.levels)
+        return StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents, self.profile.window,
+                          self.levels)
 
     def verify(self, layout: StepLayout, outputs: dict) -> tuple[list[int], np.ndarray]:
-        """Greedy verification, then the window update.
+        """Verification of the trie, then the window update.
 
-        The model's prediction after the last token, ``t``, is always accepted. Walking
-        the trie from its root, a child node is accepted when its token equals the last
-        accepted token's successor prediction; its own prediction is then accepted too.
-        The walk stops when no child matches, so the longest verified prefix among all
-        candidates wins. Then the window's column trajectories plus the last level's
-        predictions go into the pool as n-grams, the levels shift up and the predictions
-        become the last level (the paper's Algorithm 1).
+        Walking the trie from its root (the last token), the rule chooses the token after
+        the current node among the node's children (the candidates): greedy takes the
+        argmax and accepts the child equal to it; sampling accepts a child with the
+        probability that keeps plain sampling's distribution
+        (:class:`lade_export.sampling.SamplingRule`). An accepted child's row joins the
+        cache and the walk continues from it; otherwise the chosen token ends the step.
+        So at least one token is accepted, and with greedy the longest verified prefix
+        among all candidates wins. Then the window's column trajectories plus the last
+        level's argmax predictions go into the pool as n-grams, the levels shift up and
+        the predictions become the last level (the paper's Algorithm 1).
 
         Returns:
             ``(proposed tokens, kept rows)`` before the stop rules.
         """
-        next_ids = outputs["next_token_ids"][0]  # [n_logits]: row 0, W last-level rows, trie nodes
-        w = layout.window
-        preds = next_ids[1 + w:]
-        accepted = [int(next_ids[0])]
+        accepted: list[int] = []
         kept = [0]
         node = -1
         while True:
-            node = layout.trie_children.get((node, accepted[-1]))
-            if node is None:
+            token, child = self.rule.choose(outputs, layout.logit_row(node), layout.children(node))
+            accepted.append(token)
+            if child is None:
                 break
-            kept.append(layout.trie_base + node)
-            accepted.append(int(preds[node]))
-        self._advance_window(next_ids[1: 1 + w])
+            kept.append(layout.trie_base + child)
+            node = child
+        w = layout.window
+        self._advance_window(outputs["next_token_ids"][0, 1: 1 + w])
         return accepted, np.asarray(kept, dtype=np.int64)
 
     def _advance_window(self, last_level_preds: np.ndarray) -> None:
@@ -212,9 +226,12 @@ class LookaheadState(GreedyState):
         self.pool.insert_sequence(tail)
 
 
-def new_state(profile: LookaheadProfile | None, vocab: int, prompt_ids, rules: StopRules | None = None):
+def new_state(profile: LookaheadProfile | None, vocab: int, prompt_ids, rules: StopRules | None = None,
+              sampling: SamplingParams | None = None):
     """The state for a request: :class:`LookaheadState` for an enabled profile, else
-    :class:`GreedyState` (``profile`` None or the greedy setting ``enabled = false``)."""
+    :class:`GreedyState` (``profile`` None or the greedy setting ``enabled = false``),
+    deciding by ``sampling`` (None or temperature 0: greedy)."""
+    rule = new_rule(sampling)
     if profile is None or not profile.enabled:
-        return GreedyState(prompt_ids, rules)
-    return LookaheadState(profile, vocab, prompt_ids, rules)
+        return GreedyState(prompt_ids, rules, rule)
+    return LookaheadState(profile, vocab, prompt_ids, rules, rule)

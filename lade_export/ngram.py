@@ -174,7 +174,6 @@ class StepLayout:
         past_len: tokens in the KV cache.
         trie_tokens: token of each verification-trie node.
         trie_parents: parent node of each trie node (−1: follows the last token).
-        trie_children: ``(parent node, token) → node`` of the same trie.
         window: W of the layout (0 for a plain greedy step).
         levels: N − 1 of the layout.
     """
@@ -186,7 +185,6 @@ class StepLayout:
     past_len: int
     trie_tokens: list
     trie_parents: tuple
-    trie_children: dict = dataclasses.field(default_factory=dict)
     window: int = 0
     levels: int = 1
 
@@ -195,6 +193,21 @@ class StepLayout:
         """A plain greedy step: ``token`` at position ``past_len``, its logits read."""
         offsets, mask, rows = step_template(0, 1, ())
         return cls(np.asarray([token], dtype=np.int64), past_len + offsets, mask, rows, past_len, [], ())
+
+    def children(self, node: int) -> list[tuple[int, int]]:
+        """``[(token, child node)]`` of trie ``node`` (−1: the root, after the last
+        token), in candidate priority order."""
+        by_parent = self.__dict__.get("_by_parent")
+        if by_parent is None:
+            by_parent = {}
+            for i, (parent, token) in enumerate(zip(self.trie_parents, self.trie_tokens)):
+                by_parent.setdefault(parent, []).append((token, i))
+            self.__dict__["_by_parent"] = by_parent
+        return by_parent.get(node, [])
+
+    def logit_row(self, node: int) -> int:
+        """Index into the ``n_logits`` axis of trie ``node``'s logits (−1: row 0)."""
+        return 0 if node < 0 else 1 + self.window + node
 
     @property
     def trie_base(self) -> int:

@@ -30,6 +30,7 @@ from .feeds import causal_feeds, empty_past_feeds
 from .kv_cache import KVCache
 from .lookahead import StopRules, new_state
 from .profile import LookaheadProfile
+from .sampling import SamplingParams
 from .specs import ModelDims
 
 
@@ -60,6 +61,11 @@ class GenerationStats:
         host_s: time spent outside the engine during decode, seconds.
         cache_tokens: tokens in the KV cache at the end (never above the context).
         first_token_s: seconds from the start of the request to the first new token.
+        drafts_checked: verification candidates tested (lookahead; greedy compares every
+            child of each visited trie node with the argmax, sampling tests children one
+            by one until one is accepted).
+        drafts_accepted: candidates accepted (tokens gained beyond one per step).
+        decoding: ``"greedy"`` or the sampling parameters (``sampling T=0.8 top-p 0.9 seed 3``).
     """
 
     prompt_tokens: int = 0
@@ -71,6 +77,9 @@ class GenerationStats:
     host_s: float = 0.0
     cache_tokens: int = 0
     first_token_s: float = 0.0
+    drafts_checked: int = 0
+    drafts_accepted: int = 0
+    decoding: str = "greedy"
 
     @property
     def compression_ratio(self) -> float:
@@ -208,7 +217,7 @@ class Decoder:
     # -- decoding --------------------------------------------------------------------------
 
     def stream(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, *, stop=(),
-               cancel=None, timeout_s: float | None = None) -> Iterator[Chunk]:
+               cancel=None, timeout_s: float | None = None, sampling: SamplingParams | None = None) -> Iterator[Chunk]:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, step by step.
 
         Args:
@@ -222,6 +231,8 @@ class Decoder:
                 request stops before its next step (``stop_reason`` ``"cancelled"``).
             timeout_s: stop at the first step boundary after this many seconds
                 (``stop_reason`` ``"timeout"``).
+            sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
+                greedy). Lookahead with sampling keeps plain sampling's distribution.
 
         Yields:
             :class:`Chunk` per decode step; the last one carries ``stop_reason`` and
@@ -235,16 +246,16 @@ class Decoder:
         self.check_request(len(prompt), max_new_tokens, profile)
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
-        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s)
+        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling)
 
-    def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s) -> Iterator[Chunk]:
+    def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s, sampling) -> Iterator[Chunk]:
         t0 = time.perf_counter()
         deadline = t0 + timeout_s if timeout_s is not None else None
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         text = TextStream(detok, stop)
         rules = StopRules(self.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
-        state = new_state(profile, self.dims.vocab, prompt, rules)
-        stats = GenerationStats(prompt_tokens=len(prompt))
+        state = new_state(profile, self.dims.vocab, prompt, rules, sampling)
+        stats = GenerationStats(prompt_tokens=len(prompt), decoding=sampling.describe() if sampling else "greedy")
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens)
         key = id(cache)
         with self._lock:
@@ -285,6 +296,7 @@ class Decoder:
             stats.host_s = max(stats.decode_s - engine_s, 0.0)
             stats.cache_tokens = cache.length
             stats.acceptance_histogram = dict(histogram)
+            stats.drafts_checked, stats.drafts_accepted = state.rule.checked, state.rule.accepted
             tail, cut = text.finish()
             if cut and reason in ("stop_token", "max_new_tokens"):
                 reason = "stop_string"  # a stop string completed in text held back until the end
@@ -296,7 +308,7 @@ class Decoder:
 
     def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None,
                  on_tokens: Callable[[list], None] | None = None, *, stop=(), cancel=None,
-                 timeout_s: float | None = None) -> GenerationResult:
+                 timeout_s: float | None = None, sampling: SamplingParams | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see :meth:`stream`).
 
         Args:
@@ -309,7 +321,7 @@ class Decoder:
             GenerationError, ProfileError: see :meth:`check_request` (before any work).
         """
         return collect(self.stream(prompt_ids, max_new_tokens, profile, stop=stop, cancel=cancel,
-                                   timeout_s=timeout_s), on_tokens)
+                                   timeout_s=timeout_s, sampling=sampling), on_tokens)
 
 
 def collect(chunks, on_tokens: Callable[[list], None] | None = None) -> GenerationResult:

@@ -62,12 +62,24 @@ def test_build_inspect_generate_on_stories(tmp_path, stories_dir, reference_gree
     proc = run_cli("generate", out, "--prompt", "Once upon a time", "--max-new-tokens", "40", "--check-greedy")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected_text(reference_greedy, 40) + "\n"  # the text alone on stdout
-    assert "[lookahead small (W=2, N=3, G=2)] steps " in proc.stderr
+    assert "[lookahead small (W=2, N=3, G=2), greedy] steps " in proc.stderr
     assert "identical to greedy: yes" in proc.stderr
 
     proc = run_cli("build", "--model", stories_dir, "--out", out)
     assert proc.returncode == 2
     assert one_line_error(proc) == f"error: {out} already exists; pass --force to replace it"
+
+
+def test_sampled_generate_is_reproducible_with_a_seed(stories_artifact):
+    args = ["generate", stories_artifact, "--prompt", "Once upon a time", "--max-new-tokens", "48", "--temperature", "0.9",
+            "--top-k", "40", "--seed", "11"]
+    first, second = run_cli(*args), run_cli(*args)
+    other = run_cli(*args[:-1], "12")
+    plain = run_cli(*args, "--no-lookahead")
+    assert first.returncode == second.returncode == other.returncode == plain.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout != other.stdout and len(first.stdout) > 40
+    assert "sampling T=0.9 top-k 40 seed 11] steps" in first.stderr
+    assert "[no lookahead, sampling T=0.9 top-k 40 seed 11] steps 48 · tokens 48" in plain.stderr
 
 
 def expected_text(reference_greedy, n: int) -> str:

@@ -34,7 +34,7 @@ def test_compare_writes_results_and_every_output_is_exact(tmp_path, stories_arti
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["config"] for r in rows] == ["greedy", "default", "small", "transformers-greedy"]
     assert [r["exact"] for r in rows] == ["4", "4", "4", "4"]
-    assert float(rows[0]["speedup_vs_greedy"]) == 1.0 and float(rows[0]["compression_mean"]) == 1.0
+    assert float(rows[0]["speedup_vs_baseline"]) == 1.0 and float(rows[0]["compression_mean"]) == 1.0
     assert float(rows[1]["compression_mean"]) > 1.0
     md = (out / "summary.md").read_text()
     assert "| stories | default | 4 |" in md and "4/4 |" in md
@@ -63,6 +63,30 @@ def test_compare_reports_a_mismatch_and_fails(tmp_path, stories_artifact, monkey
         "error: 2 output(s) differ from greedy: first small on stories prompt 0")
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["exact"] for r in rows] == ["2", "0"]
+
+
+def test_compare_under_sampling_reports_na_and_does_not_fail(tmp_path, stories_artifact):
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset",
+                                       str(_prompts(tmp_path)), "--limit", "3", "--max-new-tokens", "32",
+                                       "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["config"] for r in records[:2]] == ["sampling", "small"]
+    assert all(r["exact"] is None for r in records)
+    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(records[0::2], records[1::2]))  # sampled: differ
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["exact"] for r in rows] == ["", ""] and float(rows[1]["compression_mean"]) > 1.0
+    speed = [float(r["decode_tok_s"]) for r in rows]
+    assert abs(float(rows[1]["speedup_vs_baseline"]) - speed[1] / speed[0]) < 1e-3
+    md = (out / "summary.md").read_text()
+    assert "- **decoding**: sampling T=0.8 top-p 0.9 seed 5" in md and "| n/a |" in md
+    again = tmp_path / "again"
+    CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset",
+                              str(_prompts(tmp_path)), "--limit", "3", "--max-new-tokens", "32", "--temperature", "0.8",
+                              "--top-p", "0.9", "--seed", "5", "--out", str(again)])
+    rerun = [json.loads(line) for line in (again / "results.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rerun] == [r["token_ids"] for r in records]  # same seeds, same outputs
 
 
 def test_tune_with_a_tiny_grid_writes_a_loadable_profile(tmp_path, stories_artifact):
