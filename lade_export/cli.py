@@ -84,7 +84,8 @@ def _profiles(values) -> list:
 @click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="onnx: the ONNX graph for ONNX Runtime; tensorrt: also one TensorRT engine per profile.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
-              help="TensorRT builder precision.")
+              help="TensorRT engine precision (TensorRT 10: builder flags on the float32 graph; "
+                   "11: a strongly typed network from the step exported in that precision).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, read and updated (reuse it across builds).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Largest batch the engines accept.")
@@ -114,14 +115,24 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
             profile.check_fits(dims.max_context)
         click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json")
         if engine_options:
+            from .backends.tensorrt import (SUPPORTED_MAJORS, describe_precision_plan, installed_tensorrt_major,
+                                            precision_plan)
+
+            major = installed_tensorrt_major()
+            majors = (major,) if major in SUPPORTED_MAJORS else SUPPORTED_MAJORS
+            installed = f"installed TensorRT {major}" if major in SUPPORTED_MAJORS else \
+                f"TensorRT {major} is not supported" if major else "no TensorRT installed"
             for plan in engine_plans(profiles, dims, **engine_options):
                 click.echo("\n".join(describe_plan(plan, dims.num_layers)))
+                click.echo(f"  precision plan ({installed}):")
+                for m in majors:
+                    click.echo(f"    {describe_precision_plan(precision_plan(precision, m))}")
         click.echo("nothing was written")
         return
     if engine_options:
         from .backends.tensorrt import require_tensorrt
 
-        require_tensorrt()  # before any work: nothing is written without TensorRT and a GPU
+        require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
     with _progress() as say:
         manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
                                   engine_options=engine_options, timing_cache=timing_cache)
