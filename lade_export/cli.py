@@ -255,6 +255,9 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
         (f", K={profile.lookup})" if profile.lookup else ")") if profile else "greedy"
     click.echo(f"[{mode}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
+    if backend == "tensorrt":
+        click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
+                   f"{', '.join(model.engine.loaded_engines)}", err=True)
     if check_greedy and profile is not None:
         base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
         same = base.token_ids == result.token_ids
@@ -405,16 +408,19 @@ def check(artifact_dir, max_abs, max_rel):
     for col in ("runner", "output", "max |Δ|", "relative", "worst case", "ok"):
         table.add_column(col)
     shown = [e for e in report.output_errors if not e.output.startswith("present.")]
-    present = [e for e in report.output_errors if e.output.startswith("present.")]
-    if present:
-        worst = max(present, key=lambda e: e.max_abs)
-        shown.append(dataclasses.replace(worst, output=f"present.* (worst: {worst.output})",
-                                         ok=all(e.ok for e in present)))
+    for runner in dict.fromkeys(e.runner for e in report.output_errors):
+        present = [e for e in report.output_errors if e.output.startswith("present.") and e.runner == runner]
+        if present:
+            worst = max(present, key=lambda e: (not e.ok, e.max_abs))
+            shown.append(dataclasses.replace(worst, output=f"present.* (worst: {worst.output})",
+                                             ok=all(e.ok for e in present)))
     for e in shown:
         table.add_row(e.runner, e.output, f"{e.max_abs:.2e}", f"{e.rel:.1e}", e.case, "yes" if e.ok else "NO")
     from rich.console import Console
 
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for note in report.notes:
+        click.echo(f"note: {note}")
     for msg in report.checksum_errors:
         click.echo(f"checksum: {msg}")
     if not report.ok:

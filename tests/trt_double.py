@@ -233,7 +233,7 @@ def make_tensorrt(state: TrtState, kind: str = "full") -> types.ModuleType:
     flags = ["TF32", "VERSION_COMPATIBLE", "EXCLUDE_LEAN_RUNTIME", "STRICT_NANS", "REFIT", "DEBUG"]
     if major == 10:
         flags += ["FP16", "BF16", "INT8", "OBEY_PRECISION_CONSTRAINTS", "PREFER_PRECISION_CONSTRAINTS"]
-    m.BuilderFlag = enum.IntEnum("BuilderFlag", flags)
+    m.BuilderFlag = enum.Enum("BuilderFlag", flags)
     m.HardwareCompatibilityLevel = enum.Enum("HardwareCompatibilityLevel",
                                              ["NONE", "AMPERE_PLUS", "SAME_COMPUTE_CAPABILITY"])
 
@@ -414,8 +414,8 @@ def _add_builder(m, state: TrtState) -> None:
                     "hardware_compatibility": config.hardware_compatibility_level.name,
                     "capability": list(state.gpu.capability), "strongly_typed": network.strongly_typed,
                     "precision_flags": weak, "tf32": m.BuilderFlag.TF32 in config.flags,
-                    "weight_dtypes": sorted({ONNX_TO_TRT.get(i.data_type, str(i.data_type))
-                                             for i in graph.initializer}),
+                    "weight_dtypes": sorted({ONNX_TO_TRT.get(i.data_type) for i in graph.initializer}
+                                            & {"FLOAT", "HALF", "BF16"}),  # floating-point weights only
                     "profiles": [{n: p.shapes[n] for n in p.shapes} for p in config.profiles],
                     "inputs": inputs, "outputs": outputs}
             state.builds.append(meta)

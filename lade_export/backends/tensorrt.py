@@ -397,7 +397,7 @@ class TensorRTEngine:
     name = "tensorrt"
 
     def __init__(self, artifact, engine: str | None = None, device: str = "cuda", runtime: str | None = None):
-        from .cuda import CudaDevice
+        from .cuda import CudaDevice, cuda_unavailable_reason
 
         entries = artifact.manifest.get("engines") or []
         if not entries:
@@ -409,6 +409,9 @@ class TensorRTEngine:
                 raise ArtifactError(f"{artifact.root} has no TensorRT engine {engine!r}; it has {', '.join(names)}")
         self.trt, self.runtime_kind = import_runtime(runtime)
         self.version = str(self.trt.__version__)
+        reason = cuda_unavailable_reason()  # before trt.Runtime, which crashes the process without a GPU
+        if reason:
+            raise BackendUnavailableError(f"TensorRT is installed but {reason}")
         index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
         self.cuda = CudaDevice(index)
         self.dims = artifact.dims
