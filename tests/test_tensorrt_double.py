@@ -592,6 +592,19 @@ def test_check_without_a_tensorrt_runtime_says_the_engines_were_not_checked(art1
         result.stdout.replace("\n", " ")
 
 
+def test_check_fails_naming_the_engine_output_and_case_that_differ(art10, monkeypatch):
+    out, _ = art10
+    state = install(monkeypatch, version=V10)
+    state.perturb = lambda name, profile, value: value + 0.5 if name == "logits" and profile == 1 else value
+    result = invoke("check", out)
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert line.startswith("error: check failed: tensorrt:small: output logits differs from PyTorch at ")
+    assert "tensorrt:default: output logits differs from PyTorch at " in line
+    for part in line.split("; "):  # every named case ran in the decode profile, where the logits were wrong
+        assert part.split(" at ", 1)[1].split(":")[0].endswith("(decode)"), part
+
+
 def test_check_names_the_case_that_failed_not_a_later_passing_one():
     from lade_export.check import compare_runner
 
@@ -644,3 +657,79 @@ def test_the_double_refuses_a_runtime_without_a_gpu(monkeypatch):
     with pytest.raises(RuntimeError, match="without a usable CUDA GPU"):
         trt.Runtime(trt.Logger())
     assert trt_double.MAGIC == b"TRTDOUBLE1"
+
+
+def test_a_broken_tensorrt_install_is_one_line(monkeypatch):
+    import importlib
+
+    from lade_export.backends import tensorrt as backend
+
+    install(monkeypatch, version=None)
+    real = importlib.import_module
+
+    def fake(name, *a):
+        if name == "tensorrt":
+            raise RuntimeError("This is a placeholder package; the real wheel is on pypi.nvidia.com\nmore")
+        if name == "tensorrt_lean":
+            raise ModuleNotFoundError("No module named 'tensorrt_lean_bindings'", name="tensorrt_lean_bindings")
+        return real(name, *a)
+
+    monkeypatch.setattr(backend.importlib, "import_module", fake)
+    with pytest.raises(BackendUnavailableError, match=r"^tensorrt cannot be imported \(RuntimeError: This is a "
+                                                      r"placeholder package; the real wheel is on pypi.nvidia.com\); "
+                                                      r"the full TensorRT builds"):
+        backend.import_builder()
+    assert backend.installed_tensorrt_major() is None
+    with pytest.raises(BackendUnavailableError, match=r"^tensorrt_lean cannot be imported \(missing "
+                                                      r"tensorrt_lean_bindings\); the lean runtime only runs"):
+        backend.import_runtime("lean")
+
+
+def test_precision_plans_refuse_other_versions_and_precisions():
+    from lade_export.backends.tensorrt import precision_plan
+
+    with pytest.raises(BackendUnavailableError, match="^TensorRT 12 is not supported: lade-export builds engines with "
+                                                      "TensorRT 10 or 11$"):
+        precision_plan("fp16", 12)
+    assert precision_plan("bf16", 10)["builder_flags"] == ["BF16"]
+    assert precision_plan("bf16", 11)["graph_dtype"] == "bfloat16"
+
+
+def test_feeds_without_an_input_are_covered_by_no_profile(art10, monkeypatch):
+    from lade_export.feeds import example_feeds
+
+    engine, _ = _engine(art10[0], monkeypatch)
+    feeds = example_feeds(engine.dims, step=1, past=3)
+    del feeds["attention_mask"]
+    assert engine.optimization_profile_for(feeds) is None
+    feeds["attention_mask"] = np.ones((1, 4), bool)  # wrong rank
+    assert engine.optimization_profile_for(feeds) is None
+    engine.close()
+
+
+def test_a_reduced_precision_graph_beyond_its_bound_stops_the_build(tmp_path, stories_dir, monkeypatch):
+    from lade_export.backends import tensorrt as backend
+
+    install(monkeypatch, version=V11)
+    monkeypatch.setitem(backend.PRECISION_BOUNDS, "fp16", (float("inf"), 1e-9))
+    result = invoke("build", "--model", stories_dir, "--engine", "tensorrt", "--profile", "small",
+                    "--out", tmp_path / "a")
+    assert result.exit_code == 1
+    assert one_line(result).startswith("error: parity check (fp16 graph vs float32 PyTorch) failed at prefill (step ")
+    assert "(bound 1e-09), argmax equal True" in one_line(result)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_cuda_wrapper_without_a_device_and_with_an_unnamed_error(monkeypatch):
+    from lade_export.backends import cuda
+
+    state = install(monkeypatch, version=None, gpu=FakeGpu(devices=0))
+    with pytest.raises(BackendUnavailableError, match=r"^no CUDA GPU is visible \(cudaGetDeviceCount: 0\)$"):
+        cuda.CudaDevice()
+    state.gpu.devices = 1
+    runtime = sys.modules["cuda.bindings.runtime"]
+    monkeypatch.setattr(runtime, "cudaGetErrorName", lambda err: 1 / 0)
+    device = cuda.CudaDevice()
+    with pytest.raises(EngineError, match=r"^CUDA cudaFree failed: 1$"):  # the error's number when it has no name
+        device._check(runtime.cudaFree(12345), "cudaFree")
+    device.close()

@@ -600,6 +600,8 @@ def _add_runtime(m, state: TrtState, kind: str) -> None:
             except Exception as err:  # noqa: BLE001 - kernels fail by status, not exceptions
                 return f"kernel failure: {str(err).splitlines()[0]}"
             for name, value in zip(eng.output_names, outs):
+                if getattr(state, "perturb", None) is not None:  # fault injection: wrong numbers from a kernel
+                    value = state.perturb(name, self._profile, value)
                 dtype = np.dtype(TRT_TO_NUMPY[eng.io[name]["dtype"]])
                 value = np.ascontiguousarray(value, dtype=dtype)
                 if value.shape != self.get_tensor_shape(name):
