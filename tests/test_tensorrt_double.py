@@ -25,6 +25,19 @@ from .trt_double import FakeGpu, install
 
 ROOT = Path(__file__).resolve().parent.parent
 V10, V11 = "10.16.1.11", "11.4.0.106"
+#: docs/errors.md rows asserted here (row id → the test that asserts its message).
+DOCUMENTED_ROWS = {
+    "tensorrt-missing": "test_without_tensorrt_the_error_names_the_full_and_the_lean_packages",
+    "tensorrt-version": "test_an_unsupported_tensorrt_version_is_one_line",
+    "tensorrt-no-gpu": "test_without_a_gpu_or_cuda_wrapper_nothing_starts",
+    "tensorrt-lean-not-version-compatible": "test_the_lean_runtime_refuses_engines_built_without_version_compatible",
+    "tensorrt-other-version": "test_an_engine_of_another_tensorrt_version_is_refused",
+    "tensorrt-other-gpu": "test_an_engine_for_another_gpu_is_refused_unless_hardware_compatible",
+    "tensorrt-profile-not-covered": "test_a_profile_no_engine_covers_is_refused_naming_the_limits",
+    "tensorrt-step-not-covered": "test_each_step_runs_in_the_optimization_profile_that_covers_it",
+    "tensorrt-execution-failed": "test_an_execution_failure_is_an_engine_error",
+    "tensorrt-reduced-parity": "test_a_reduced_precision_graph_beyond_its_bound_stops_the_build",
+}
 
 
 def invoke(*args):
@@ -733,3 +746,11 @@ def test_the_cuda_wrapper_without_a_device_and_with_an_unnamed_error(monkeypatch
     with pytest.raises(EngineError, match=r"^CUDA cudaFree failed: 1$"):  # the error's number when it has no name
         device._check(runtime.cudaFree(12345), "cudaFree")
     device.close()
+
+
+def test_documented_tensorrt_rows_name_their_tests():
+    doc = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    rows = {line.split("`")[1]: line for line in doc.splitlines() if line.startswith("| `tensorrt-")}
+    assert set(rows) == set(DOCUMENTED_ROWS)
+    for row, test in DOCUMENTED_ROWS.items():
+        assert f"({test})" in rows[row] and callable(globals()[test]), row
