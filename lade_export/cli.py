@@ -486,7 +486,10 @@ def inspect(artifact_dir, as_json):
         state = f"[red]{bad[name]}[/]" if name in bad else "ok"
         console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…  {state}")
     for e in m.get("engines", []):
-        console.print(f"  engine {e['file']} ({e.get('precision')}, TensorRT {e.get('tensorrt_version')})")
+        plan = e.get("precision_plan") or {}
+        flags = ", version-compatible" if e.get("version_compatible") else ""
+        console.print(f"  engine {e['file']} ({e.get('precision')}, {plan.get('network', '?')} network, TensorRT "
+                      f"{e.get('tensorrt_version')}{flags})")
 
 
 if __name__ == "__main__":

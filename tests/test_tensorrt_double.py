@@ -630,6 +630,22 @@ def test_check_names_the_case_that_failed_not_a_later_passing_one():
     ids = compare_runner("x", ["next_token_ids"], ["A", "B"], [{"next_token_ids": np.array([[3]])}] * 2,
                          [{"next_token_ids": np.array([[4]])}, {"next_token_ids": np.array([[3]])}], 1e-3, 1e-5)
     assert (ids[0].case, ids[0].ok) == ("A", False)
+    shape = compare_runner("x", ["next_token_ids"], ["A"], [{"next_token_ids": np.array([[3]])}],
+                           [{"next_token_ids": np.array([[3, 4]])}], 1e-3, 1e-5)
+    assert (shape[0].ok, shape[0].max_abs) == (False, float("inf"))
+
+
+def test_reduced_precision_takes_float16_or_bfloat16_only(stories_loaded):
+    from lade_export.graph import DecoderStep
+    from lade_export.precision import ReducedPrecisionStep
+
+    step = DecoderStep(stories_loaded.model).eval()
+    with pytest.raises(ValueError, match="^dtype must be one of float16, bfloat16, got 'int8'$"):
+        ReducedPrecisionStep(step, "int8")
+    half = ReducedPrecisionStep(step, "float16")
+    assert half.inner.inv_freq.dtype.is_floating_point and str(half.inner.inv_freq.dtype) == "torch.float32"
+    assert str(next(half.inner.parameters()).dtype) == "torch.float16"
+    assert str(next(step.parameters()).dtype) == "torch.float32"  # the float32 step is left as it was
 
 
 # -- the double itself ----------------------------------------------------------------------------
