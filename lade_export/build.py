@@ -98,37 +98,88 @@ def _raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
 def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_ids, engine_options: dict,
                            timing_cache, say) -> list[dict]:
     """Sanitize the graph, re-check its parity, and build one TensorRT engine per profile
-    into ``root/engines``. Returns the manifest entries.
+    into ``root/engines``, the way the installed TensorRT sets precision
+    (:func:`lade_export.backends.tensorrt.precision_plan`): TensorRT 10 parses the float32
+    graph and gets fp16/bf16 builder flags; TensorRT 11 parses the step exported in the
+    target precision (:mod:`lade_export.precision`), whose parity against the float32
+    PyTorch step is checked first (float16 under ONNX Runtime; bfloat16 has no ONNX
+    Runtime CPU kernels, so ``lade-export check`` is its check).
+
+    Returns:
+        the manifest's ``engines`` entries (plan, TensorRT version, compute capability,
+        ``precision_plan``, ``graph_parity``, ``sanitize`` counts, sha256).
 
     Raises:
-        BackendUnavailableError: TensorRT or a GPU is missing.
-        CheckFailedError: the sanitized graph fails the parity bounds.
+        BackendUnavailableError: TensorRT or a GPU is missing, or an unsupported version.
+        CheckFailedError: the sanitized (or reduced-precision) graph fails its parity bounds.
     """
     import tempfile
 
     from .artifact import sha256_file
-    from .backends.tensorrt import build_engine, require_tensorrt
+    from .backends.tensorrt import (PRECISION_BOUNDS, build_engine, check_version, import_builder, precision_plan,
+                                    require_tensorrt)
     from .optimization_profiles import engine_plans
     from .sanitize import sanitize_onnx
 
-    require_tensorrt()
+    require_tensorrt("build")
+    plans = engine_plans(profiles, step.dims, **engine_options)
+    precision = engine_options.get("precision", "fp16")
+    plan_of_precision = precision_plan(precision, check_version(import_builder()))
+    profile = profiles[0] if profiles else None
     entries = []
     with tempfile.TemporaryDirectory(prefix="lade-sanitized-") as scratch:
         say("sanitizing the graph for TensorRT")
-        clean = Path(scratch) / "model.onnx"
-        counts = sanitize_onnx(onnx_path, clean)
-        _raise_on_parity(check_parity(step, clean, prompt_ids, profiles[0] if profiles else None), "sanitized graph")
+        graph = Path(scratch) / "model.onnx"
+        counts = sanitize_onnx(onnx_path, graph)
+        _raise_on_parity(check_parity(step, graph, prompt_ids, profile), "sanitized graph")
+        graph_parity = None
+        dtype = plan_of_precision["graph_dtype"]
+        if dtype != "float32":
+            from .precision import export_reduced_precision
+
+            say(f"exporting the step in {dtype} for a strongly typed network")
+            (Path(scratch) / "reduced").mkdir()
+            raw = export_reduced_precision(step, dtype, Path(scratch) / "reduced" / "raw.onnx")
+            graph = Path(scratch) / "reduced" / "model.onnx"
+            counts = sanitize_onnx(raw, graph)
+            graph_parity = _reduced_precision_parity(step, graph, prompt_ids, profile, precision,
+                                                     *PRECISION_BOUNDS[precision])
         (root / "engines").mkdir(exist_ok=True)
-        for plan in engine_plans(profiles, step.dims, **engine_options):
+        for plan in plans:
             say(f"building TensorRT engine {plan['file']}")
             data, info = build_engine(
-                clean, plan["optimization_profiles"], precision=plan["precision"], timing_cache=timing_cache,
+                graph, plan["optimization_profiles"], precision=plan["precision"], timing_cache=timing_cache,
                 version_compatible=plan["version_compatible"], hardware_compatible=plan["hardware_compatible"],
                 on_progress=lambda phase, i, n: say(f"TensorRT {phase} {i}/{n or '?'}"),
             )
             (root / plan["file"]).write_bytes(data)
-            entries.append({**plan, **info, "sanitize": counts, "sha256": sha256_file(root / plan["file"])})
+            entries.append({**plan, **info, "graph_parity": graph_parity, "sanitize": counts,
+                            "sha256": sha256_file(root / plan["file"])})
     return entries
+
+
+def _reduced_precision_parity(step, graph: Path, prompt_ids, profile, precision: str, max_abs: float,
+                              max_rel: float) -> dict:
+    """ONNX Runtime on the reduced-precision graph vs the float32 PyTorch step: every case
+    within ``max_abs``/``max_rel`` (max |Δlogit| / max |logit|) with equal argmax at every
+    row (bfloat16: not run, see the caller).
+
+    Raises:
+        CheckFailedError: a case beyond the bounds, or with another argmax.
+    """
+    if precision == "bf16":
+        return {"checked": False, "reason": "ONNX Runtime has no bfloat16 CPU kernels; lade-export check compares the "
+                                            "engines with PyTorch on the GPU"}
+    cases = check_parity(step, graph, prompt_ids, profile)
+    bad = [c for c in cases if not c.ok(max_abs=max_abs, max_rel=max_rel)]
+    if bad:
+        c = bad[0]
+        raise CheckFailedError(
+            f"parity check ({precision} graph vs float32 PyTorch) failed at {c.label} (step {c.step}, past {c.past}): "
+            f"max |Δlogit| {c.max_abs:.3g}, relative {c.rel:.3g} (bound {max_rel:g}), argmax equal {c.argmax_equal}")
+    return {"checked": True, "max_rel_bound": max_rel,
+            "cases": [{"label": c.label, "step": c.step, "past": c.past, "max_abs": c.max_abs, "rel": c.rel,
+                       "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs} for c in cases]}
 
 
 def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,

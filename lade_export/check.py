@@ -2,12 +2,18 @@
 
 1. Every file's sha256 against the manifest.
 2. Polygraphy's comparator runs the ONNX graph under ONNX Runtime, the PyTorch reference
-   step (the checkpoint named in the manifest) and, where TensorRT and a GPU exist,
-   each TensorRT engine, on lookahead-shaped feeds generated from each recorded profile:
-   real token ids (the build's parity prompt), a real non-empty KV cache, the custom
-   mask and non-contiguous position ids, plus prefill and greedy shapes.
+   step (the checkpoint named in the manifest) and, where a TensorRT runtime and a GPU
+   exist, each TensorRT engine, on lookahead-shaped feeds generated from each recorded
+   profile: real token ids (the build's parity prompt), a real non-empty KV cache, the
+   custom mask and non-contiguous position ids, plus prefill and greedy shapes. Each
+   engine runs through :class:`lade_export.backends.tensorrt.TensorRTEngine` restricted
+   to it, so every feed runs in the optimization profile that covers it (prefill feeds
+   in the prefill profile, steps with a cache in the decode profile); feeds no profile
+   of an engine covers (a larger profile's lookahead step) are left out for that engine
+   and listed in the report's notes.
 3. Per output: max abs error and max abs error / max |reference|; ``next_token_ids``
-   must match exactly. Anything past the tolerance fails the check, naming the output.
+   must match exactly. Anything past the tolerance fails the check, naming the output
+   and the case where it failed.
 """
 
 from __future__ import annotations
@@ -19,9 +25,6 @@ import numpy as np
 
 from .artifact import Artifact, sha256_file
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL
-
-# TensorRT engines run in reduced precision; their bound is looser but the argmax must still agree.
-TRT_MAX_ABS = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}
 
 
 @dataclasses.dataclass
@@ -43,6 +46,7 @@ class CheckReport:
     checksum_errors: list
     output_errors: list
     cases: list
+    notes: list = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -69,41 +73,81 @@ def checksum_errors(artifact: Artifact) -> list[str]:
     return errors
 
 
-def _torch_runner(step_module, input_specs, output_names):
+def _input_metadata(input_specs):
+    from polygraphy.common import TensorMetadata
+
+    meta = TensorMetadata()
+    for spec in input_specs:
+        meta.add(spec["name"], np.dtype(spec["dtype"]), [d if isinstance(d, int) else -1 for d in spec["shape"]])
+    return meta
+
+
+def _runner(name: str, run, input_specs, output_names):
+    """A Polygraphy runner named ``name`` around ``run(feeds) -> {output: array}``."""
     from polygraphy.backend.base import BaseRunner
 
-    from .graph import run_torch_step
-
-    class TorchStepRunner(BaseRunner):
-        """Polygraphy runner for the PyTorch reference step on the CPU."""
-
+    class StepRunner(BaseRunner):
         def __init__(self):
-            super().__init__(name="pytorch", prefix="pytorch-runner")
+            super().__init__(name=name, prefix="lade-runner")
 
         def activate_impl(self):
             pass
 
         def get_input_metadata_impl(self):
-            from polygraphy.common import TensorMetadata
-
-            meta = TensorMetadata()
-            for spec in input_specs:
-                shape = [d if isinstance(d, int) else -1 for d in spec["shape"]]
-                meta.add(spec["name"], np.dtype(spec["dtype"]), shape)
-            return meta
+            return _input_metadata(input_specs)
 
         def infer_impl(self, feed_dict):
             import time
 
             t = time.perf_counter()
-            out = run_torch_step(step_module, feed_dict)
+            out = run(dict(feed_dict))
             self.inference_time = time.perf_counter() - t
             return OrderedDict((n, out[n]) for n in output_names)
 
         def deactivate_impl(self):
             pass
 
-    return TorchStepRunner()
+    return StepRunner()
+
+
+def _torch_runner(step_module, input_specs, output_names):
+    """Polygraphy runner for the PyTorch reference step on the CPU."""
+    from .graph import run_torch_step
+
+    return _runner("pytorch", lambda feeds: run_torch_step(step_module, feeds), input_specs, output_names)
+
+
+def compare_runner(runner: str, output_names, labels, reference, results, max_abs: float, max_rel: float) -> list:
+    """One :class:`OutputError` per output: the worst difference of ``results`` from
+    ``reference`` (per-case output dicts, in ``labels`` order) — the worst *failing* case
+    when any case fails, so the reported case is one that failed.
+
+    An output passes a case when max |Δ| ≤ ``max_abs`` and max |Δ| / max |reference| ≤
+    ``max_rel``; ``next_token_ids`` must be equal.
+    """
+    errors = []
+    for out in output_names:
+        worst_ok, worst_bad = None, None
+        for label, ref_it, got_it in zip(labels, reference, results):
+            ref, got = np.asarray(ref_it[out]), np.asarray(got_it[out])
+            if out == "next_token_ids":
+                same = ref.shape == got.shape and np.array_equal(ref, got)
+                diff, rel = (0.0, 0.0) if same else (float(np.max(np.abs(ref - got))) if ref.shape == got.shape
+                                                     else float("inf"), 1.0)
+                ok = same
+            elif ref.size == 0:
+                continue
+            else:
+                diff = float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64))))
+                rel = diff / max(float(np.max(np.abs(ref))), 1e-30)
+                ok = diff <= max_abs and rel <= max_rel
+            case = OutputError(runner, out, diff, rel, label, ok)
+            if ok and (worst_ok is None or diff > worst_ok.max_abs):
+                worst_ok = case
+            if not ok and (worst_bad is None or diff > worst_bad.max_abs):
+                worst_bad = case
+        errors.append(worst_bad or worst_ok or OutputError(runner, out, 0.0, 0.0, labels[0] if labels else "", True))
+    return errors
 
 
 def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARITY_MAX_REL, status=None) -> CheckReport:
@@ -141,39 +185,48 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
             labels.append(label)
             feeds.append(OrderedDict(f))
     output_names = [o["name"] for o in artifact.manifest["graph"]["outputs"]]
-    runners = [_torch_runner(step, artifact.manifest["graph"]["inputs"], output_names), OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)),
-                                                                            name="onnxruntime")]
-    bounds = {"onnxruntime": max_abs}
-    if artifact.manifest.get("engines") and tensorrt_unavailable_reason() is None:
-        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
-
-        for e in artifact.manifest["engines"]:
-            name = f"tensorrt:{e['profile']['name']}"
-            runners.append(TrtRunner(EngineFromBytes((artifact.root / e["file"]).read_bytes()), name=name))
-            bounds[name] = TRT_MAX_ABS.get(e["precision"], max_abs)
+    input_specs = artifact.manifest["graph"]["inputs"]
+    runners = [_torch_runner(step, input_specs, output_names),
+               OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)), name="onnxruntime")]
     say(f"comparing {', '.join(r.name for r in runners)} on {len(feeds)} feeds")
     results = Comparator.run(runners, data_loader=feeds)
     by_runner = {name: iters for name, iters in results}
     reference = by_runner["pytorch"]
+    errors = compare_runner("onnxruntime", output_names, labels, reference, by_runner["onnxruntime"], max_abs, max_rel)
+    notes = []
+    engines = artifact.manifest.get("engines") or []
+    reason = tensorrt_unavailable_reason("run") if engines else None
+    if reason:
+        notes.append(f"TensorRT engines not checked: {reason}")
+    elif engines:
+        errors += _check_engines(artifact, engines, feeds, labels, reference, input_specs, output_names, notes, say)
+    return CheckReport(sums, errors, labels, notes)
+
+
+def _check_engines(artifact, engines, feeds, labels, reference, input_specs, output_names, notes, say) -> list:
+    """Compare every TensorRT engine with the PyTorch reference on the feeds its
+    optimization profiles cover (each in the profile that covers it)."""
+    from polygraphy.comparator import Comparator
+
+    from .backends.tensorrt import PRECISION_BOUNDS, TensorRTEngine
+
     errors = []
-    for runner_name, iters in by_runner.items():
-        if runner_name == "pytorch":
-            continue
-        bound = bounds[runner_name]
-        for out in output_names:
-            worst = OutputError(runner_name, out, 0.0, 0.0, labels[0], True)
-            for label, ref_it, got_it in zip(labels, reference, iters):
-                ref, got = np.asarray(ref_it[out]), np.asarray(got_it[out])
-                if out == "next_token_ids":
-                    if not np.array_equal(ref, got):
-                        worst = OutputError(runner_name, out, float(np.max(np.abs(ref - got))), 1.0, label, False)
-                    continue
-                if ref.size == 0:
-                    continue
-                diff = float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64))))
-                rel = diff / max(float(np.max(np.abs(ref))), 1e-30)
-                ok = diff <= bound and (rel <= max_rel or bound != max_abs)
-                if diff > worst.max_abs or not ok:
-                    worst = OutputError(runner_name, out, diff, rel, label, ok and worst.ok)
-            errors.append(worst)
-    return CheckReport(sums, errors, labels)
+    for entry in engines:
+        name = entry["profile"]["name"]
+        engine = TensorRTEngine(artifact, engine=name)
+        try:
+            chosen = [engine.optimization_profile_for(f) for f in feeds]
+            keep = [i for i, c in enumerate(chosen) if c is not None]
+            skipped = [labels[i] for i, c in enumerate(chosen) if c is None]
+            if skipped:
+                notes.append(f"tensorrt:{name}: no optimization profile covers {', '.join(skipped)}; not run there")
+            runner = _runner(f"tensorrt:{name}", lambda f: engine.run(f, with_logits=True), input_specs, output_names)
+            say(f"comparing {runner.name} on {len(keep)} feeds ({engine.runtime_description})")
+            got = dict(Comparator.run([runner], data_loader=[feeds[i] for i in keep]))[runner.name]
+            max_abs, max_rel = PRECISION_BOUNDS.get(entry.get("precision"), PRECISION_BOUNDS["fp32"])
+            case_labels = [f"{labels[i]} ({chosen[i].split(':', 1)[1]})" for i in keep]
+            errors += compare_runner(runner.name, output_names, case_labels, [reference[i] for i in keep], got,
+                                     max_abs, max_rel)
+        finally:
+            engine.close()
+    return errors

@@ -84,7 +84,8 @@ def _profiles(values) -> list:
 @click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="onnx: the ONNX graph for ONNX Runtime; tensorrt: also one TensorRT engine per profile.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
-              help="TensorRT builder precision.")
+              help="TensorRT engine precision (TensorRT 10: builder flags on the float32 graph; "
+                   "11: a strongly typed network from the step exported in that precision).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, read and updated (reuse it across builds).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Largest batch the engines accept.")
@@ -114,14 +115,24 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
             profile.check_fits(dims.max_context)
         click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json")
         if engine_options:
+            from .backends.tensorrt import (SUPPORTED_MAJORS, describe_precision_plan, installed_tensorrt_major,
+                                            precision_plan)
+
+            major = installed_tensorrt_major()
+            majors = (major,) if major in SUPPORTED_MAJORS else SUPPORTED_MAJORS
+            installed = f"installed TensorRT {major}" if major in SUPPORTED_MAJORS else \
+                f"TensorRT {major} is not supported" if major else "no TensorRT installed"
             for plan in engine_plans(profiles, dims, **engine_options):
                 click.echo("\n".join(describe_plan(plan, dims.num_layers)))
+                click.echo(f"  precision plan ({installed}):")
+                for m in majors:
+                    click.echo(f"    {describe_precision_plan(precision_plan(precision, m))}")
         click.echo("nothing was written")
         return
     if engine_options:
         from .backends.tensorrt import require_tensorrt
 
-        require_tensorrt()  # before any work: nothing is written without TensorRT and a GPU
+        require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
     with _progress() as say:
         manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
                                   engine_options=engine_options, timing_cache=timing_cache)
@@ -259,6 +270,9 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
         (f", K={profile.lookup})" if profile.lookup else ")") if profile else "no lookahead"
     click.echo(f"[{mode}, {sampling.describe()}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
+    if backend == "tensorrt":
+        click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
+                   f"{', '.join(model.engine.loaded_engines)}", err=True)
     if check_greedy and profile is not None:
         base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
         same = base.token_ids == result.token_ids
@@ -419,16 +433,19 @@ def check(artifact_dir, max_abs, max_rel):
     for col in ("runner", "output", "max |Δ|", "relative", "worst case", "ok"):
         table.add_column(col)
     shown = [e for e in report.output_errors if not e.output.startswith("present.")]
-    present = [e for e in report.output_errors if e.output.startswith("present.")]
-    if present:
-        worst = max(present, key=lambda e: e.max_abs)
-        shown.append(dataclasses.replace(worst, output=f"present.* (worst: {worst.output})",
-                                         ok=all(e.ok for e in present)))
+    for runner in dict.fromkeys(e.runner for e in report.output_errors):
+        present = [e for e in report.output_errors if e.output.startswith("present.") and e.runner == runner]
+        if present:
+            worst = max(present, key=lambda e: (not e.ok, e.max_abs))
+            shown.append(dataclasses.replace(worst, output=f"present.* (worst: {worst.output})",
+                                             ok=all(e.ok for e in present)))
     for e in shown:
         table.add_row(e.runner, e.output, f"{e.max_abs:.2e}", f"{e.rel:.1e}", e.case, "yes" if e.ok else "NO")
     from rich.console import Console
 
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for note in report.notes:
+        click.echo(f"note: {note}")
     for msg in report.checksum_errors:
         click.echo(f"checksum: {msg}")
     if not report.ok:
@@ -494,7 +511,10 @@ def inspect(artifact_dir, as_json):
         state = f"[red]{bad[name]}[/]" if name in bad else "ok"
         console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…  {state}")
     for e in m.get("engines", []):
-        console.print(f"  engine {e['file']} ({e.get('precision')}, TensorRT {e.get('tensorrt_version')})")
+        plan = e.get("precision_plan") or {}
+        flags = ", version-compatible" if e.get("version_compatible") else ""
+        console.print(f"  engine {e['file']} ({e.get('precision')}, {plan.get('network', '?')} network, TensorRT "
+                      f"{e.get('tensorrt_version')}{flags})")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from lade_export.cli import main
 
 from .test_cli import PROGRESS
+from .test_tensorrt_double import DOCUMENTED_ROWS as TENSORRT_ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
@@ -241,7 +242,7 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
 def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
     ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
-                                   "build-interrupted", "build-concurrent"}
+                                   "build-interrupted", "build-concurrent"} | set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids
 

@@ -32,7 +32,8 @@ def test_engine_entry_keys_are_documented():
     from lade_export.profile import resolve_profile
 
     plan = engine_plans([resolve_profile("small")], ModelDims(2, 2, 1, 4, 8, 16, 64, False))[0]
-    built_by_tensorrt = {"tensorrt_version", "compute_capability", "build_s", "sanitize", "sha256"}
+    built_by_tensorrt = {"tensorrt_version", "compute_capability", "build_s", "precision_plan", "graph_parity",
+                         "sanitize", "sha256"}
     assert set(plan) | built_by_tensorrt == documented_keys("`engines[]` (TensorRT)")
 
 
@@ -46,3 +47,23 @@ def test_tensor_table_matches_the_graph(stories_artifact):
                                                              "logits_positions"]
     assert m["graph"]["inputs"][2]["shape"] == ["batch", 1, "step", "past+step"]
     assert m["files"]["model.onnx"]["bytes"] == (stories_artifact / "model.onnx").stat().st_size
+
+
+def test_a_built_engine_entry_has_exactly_the_documented_keys(tmp_path, stories_dir, monkeypatch):
+    """With the TensorRT test double (tests/trt_double.py) standing in for TensorRT 11."""
+    import json
+
+    from click.testing import CliRunner
+
+    from lade_export.cli import main
+
+    from .trt_double import install
+
+    install(monkeypatch, version="11.4.0.106")
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt", "--precision",
+                                       "fp32", "--profile", "small", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads((tmp_path / "a" / "manifest.json").read_text())["engines"]
+    assert set(entry) == documented_keys("`engines[]` (TensorRT)")
+    assert set(entry["precision_plan"]) == {"tensorrt_major", "network", "graph_dtype", "builder_flags",
+                                            "cleared_flags", "io_dtype"}

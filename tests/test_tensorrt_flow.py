@@ -95,17 +95,29 @@ def test_without_tensorrt_the_build_fails_in_one_line_and_writes_nothing(tmp_pat
                                        "--profile", "default", "--profile", "paper", "--out", str(out)])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
-    assert lines == ["error: TensorRT is not installed; pip install 'lade-export[tensorrt]' (NVIDIA's tensorrt ≥ 10 "
-                     "wheels, from pypi.nvidia.com) on a machine with an NVIDIA GPU"]
+    assert lines == ["error: TensorRT is not installed; the full TensorRT builds and runs engines: pip install "
+                     "'lade-export[tensorrt]' (tensorrt from NVIDIA's index pypi.nvidia.com, on a machine with an NVIDIA "
+                     "GPU); the lean runtime only runs engines built with --version-compatible: pip install "
+                     "'lade-export[tensorrt-lean]' (tensorrt-lean and cuda-bindings, from PyPI)"]
     assert os.listdir(tmp_path) == []
 
 
-def test_tensorrt_runtime_engine_says_what_is_missing(stories_artifact):
+def test_tensorrt_runtime_engine_says_what_is_missing(stories_artifact, tmp_path):
+    import json
+    import shutil
+
     from lade_export.artifact import Artifact
     from lade_export.backends.tensorrt import TensorRTEngine
 
-    with pytest.raises(BackendUnavailableError, match="TensorRT is not installed"):
-        TensorRTEngine(Artifact(stories_artifact))
+    art = tmp_path / "art"
+    shutil.copytree(stories_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["engines"] = [{"file": "engines/default.plan", "profile": {"name": "default"}}]
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BackendUnavailableError, match=r"^TensorRT is not installed; the lean runtime only runs engines "
+                                                      r"built with --version-compatible: pip install "
+                                                      r"'lade-export\[tensorrt-lean\]'.*'lade-export\[tensorrt\]'"):
+        TensorRTEngine(Artifact(art, verify="none"))
 
 
 def test_sanitized_graph_is_smaller_and_keeps_parity(tmp_path, stories_loaded, stories_artifact, reference_greedy):

@@ -15,7 +15,8 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     ``ort`` runs the artifact's ONNX graph (CPU, or the CUDA execution provider with
     ``device="cuda"``); ``torch`` loads the checkpoint named in the manifest and runs the
     step module (``dtype`` float32/float16/bfloat16); ``tensorrt`` runs the artifact's
-    first engine.
+    TensorRT engines on GPU 0 (or ``cuda:N``), each step on the engine whose
+    optimization profile covers it, with the full TensorRT or the lean runtime.
 
     Raises:
         BackendUnavailableError: the backend or device is missing.
@@ -35,4 +36,4 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
         return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)
     from .tensorrt import TensorRTEngine
 
-    return TensorRTEngine(artifact, device=device)
+    return TensorRTEngine(artifact, device=device if device.startswith("cuda") else "cuda")
