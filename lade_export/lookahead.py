@@ -160,13 +160,12 @@ class LookaheadState(GreedyState):
         self.history = HistoryIndex()
 
     def candidates(self, last_token: int) -> list:
-        """Verification candidates after ``last_token``: the history-lookup continuation
-        (when the profile has ``lookup`` > 0), then the pool's (N−1)-grams, most recent first."""
+        """Verification candidates after ``last_token``: the history-lookup continuations
+        (up to ``lookup_branches`` of up to K tokens, when the profile has ``lookup`` > 0),
+        then the pool's (N−1)-grams, most recent first."""
         cands = []
         if self.profile.lookup and self.sequence and self.sequence[-1] == last_token:
-            found = self.history.lookup(self.sequence, self.profile.lookup)
-            if found:
-                cands.append(found)
+            cands += self.history.lookup(self.sequence, self.profile.lookup, self.profile.lookup_branches)
         cands += [list(c) for c in self.pool.candidates(last_token)]
         return cands
 

@@ -236,28 +236,62 @@ class StepLayout:
 
 
 class HistoryIndex:
-    """Where each short n-gram of the sequence last ended, for prompt-lookup style
-    candidates (Saxena 2023, "Prompt Lookup Decoding"): the continuation after the most
-    recent earlier occurrence of the sequence's longest matching suffix (3, 2, then 1
-    tokens) is a strong guess in answers that repeat their prompt or themselves.
+    """Where each short n-gram of the sequence ended, for prompt-lookup style candidates
+    (Saxena 2023, "Prompt Lookup Decoding"): what followed earlier occurrences of the
+    sequence's longest matching suffix (3, 2, then 1 tokens) is a strong guess in answers
+    that repeat their prompt or themselves.
+
+    The length of a continuation follows the strength of its match: a 3-token match keeps
+    up to ``length`` tokens, a 2-token match half of them, a 1-token match at most 2 —
+    weak matches rarely run long, and every proposed token widens the step.
     """
 
     MAX_MATCH = 3
+    ENDS_KEPT = 4  # most recent end positions remembered per n-gram
 
     def __init__(self):
-        self.last_end: dict = {}
+        self.ends: dict = {}
         self.indexed = 0  # positions [0, indexed) are in the index
 
-    def lookup(self, sequence: list, length: int) -> list:
-        """Up to ``length`` tokens that followed the latest earlier match of the suffix."""
+    @staticmethod
+    def span(match: int, length: int) -> int:
+        """Tokens proposed after a ``match``-token suffix match, for a budget of ``length``."""
+        if match >= 3:
+            return length
+        if match == 2:
+            return max(1, (length + 1) // 2)
+        return min(length, 2)
+
+    def _index(self, sequence: list) -> None:
         n = len(sequence)
         for end in range(self.indexed, n - 1):  # index every position but the last
             for m in range(1, self.MAX_MATCH + 1):
                 if end - m + 1 >= 0:
-                    self.last_end[tuple(sequence[end - m + 1: end + 1])] = end
+                    ends = self.ends.setdefault(tuple(sequence[end - m + 1: end + 1]), [])
+                    ends.append(end)
+                    if len(ends) > self.ENDS_KEPT:
+                        del ends[0]
         self.indexed = max(self.indexed, n - 1)
+
+    def lookup(self, sequence: list, length: int, branches: int = 1) -> list[list[int]]:
+        """Up to ``branches`` distinct continuations of the sequence's suffix: the longest
+        match first, most recent occurrence first, each :meth:`span` tokens long.
+
+        Args:
+            sequence: every token so far (prompt and output).
+            length: K, the most tokens of one continuation.
+            branches: how many continuations (with distinct first tokens) to return.
+        """
+        self._index(sequence)
+        n = len(sequence)
+        found: list[list[int]] = []
+        firsts = set()
         for m in range(min(self.MAX_MATCH, n), 0, -1):
-            end = self.last_end.get(tuple(sequence[n - m:]))
-            if end is not None:
-                return sequence[end + 1: min(end + 1 + length, n)]
-        return []
+            for end in reversed(self.ends.get(tuple(sequence[n - m:]), ())):
+                cont = sequence[end + 1: min(end + 1 + self.span(m, length), n)]
+                if cont and cont[0] not in firsts:
+                    firsts.add(cont[0])
+                    found.append(cont)
+                    if len(found) >= branches:
+                        return found
+        return found

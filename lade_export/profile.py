@@ -11,8 +11,11 @@ arXiv 2402.02057):
 * ``K`` (lookup, optional, default 0) — one more candidate of up to K tokens: what
   followed the latest earlier occurrence of the sequence's suffix in the prompt or the
   output so far (prompt-lookup style). 0 keeps the paper's algorithm unchanged.
+  ``lookup_branches`` (default 1) takes that many such continuations, from distinct
+  earlier occurrences (shorter for weaker suffix matches; see
+  :class:`lade_export.ngram.HistoryIndex`).
 
-One decode step then feeds at most ``1 + (W + G)·(N−1) + K`` tokens: the last
+One decode step then feeds at most ``1 + (W + G)·(N−1) + K·branches`` tokens: the last
 accepted token, the W×(N−1) window and the verification branch (candidates sharing a
 prefix share its tokens, as a trie). ``W = 0`` or ``N = 1`` is not a lookahead profile;
 plain greedy decoding is its own mode.
@@ -26,6 +29,7 @@ TOML layout (``lade_export/profiles/default.toml``, shipped with the package)::
     ngram = 4                 # N ≥ 2
     guesses = 5               # G ≥ 0
     lookup = 0                # K ≥ 0, optional
+    lookup_branches = 1       # ≥ 1, optional
     seed_pool_from_prompt = true   # optional
 """
 
@@ -39,7 +43,7 @@ from pathlib import Path
 from .errors import ProfileError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
-_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "enabled", "seed_pool_from_prompt"}
+_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "lookup_branches", "enabled", "seed_pool_from_prompt"}
 _TOP_KEYS = {"name", "description", "lookahead"}
 
 
@@ -53,7 +57,8 @@ class LookaheadProfile:
         guesses: G, maximum verification candidates per step (≥ 0).
         name: a short label used in manifests, engine file names and reports.
         seed_pool_from_prompt: whether the n-gram pool starts with the prompt's own n-grams.
-        lookup: K, tokens of the history-lookup candidate (≥ 0; 0 disables it).
+        lookup: K, tokens of a history-lookup candidate (≥ 0; 0 disables it).
+        lookup_branches: history-lookup candidates per step (≥ 1).
         enabled: False makes this the plain greedy setting (what ``tune`` writes when no
             profile beats greedy on the machine); W, N, G are then ignored.
 
@@ -67,6 +72,7 @@ class LookaheadProfile:
     name: str = "custom"
     seed_pool_from_prompt: bool = True
     lookup: int = 0
+    lookup_branches: int = 1
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -74,12 +80,12 @@ class LookaheadProfile:
             raise ProfileError(
                 f"profile name {self.name!r} must be letters, digits, '.', '_' or '-' (it names engine files)"
             )
-        for key, low in (("window", 1), ("ngram", 2), ("guesses", 0), ("lookup", 0)):
+        for key, low in (("window", 1), ("ngram", 2), ("guesses", 0), ("lookup", 0), ("lookup_branches", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"profile {self.name!r}: {key} must be an integer, got {value!r}")
             if value < low:
-                letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K"}[key]
+                letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K", "lookup_branches": "B"}[key]
                 raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
         if not isinstance(self.enabled, bool):
             raise ProfileError(f"profile {self.name!r}: enabled must be true or false, got {self.enabled!r}")
@@ -95,18 +101,18 @@ class LookaheadProfile:
 
     @property
     def max_step(self) -> int:
-        """Largest decode-step length in tokens: 1 + (W + G)·(N−1) + K (1 when disabled)."""
+        """Largest decode-step length in tokens: 1 + (W + G)·(N−1) + K·B (1 when disabled)."""
         if not self.enabled:
             return 1
-        return 1 + (self.window + self.guesses) * self.levels + self.lookup
+        return 1 + (self.window + self.guesses) * self.levels + self.lookup * self.lookup_branches
 
     @property
     def max_logit_rows(self) -> int:
         """Rows of logits a decode step reads: the last token, the W last-level window
-        positions and every verification token, 1 + W + G·(N−1) + K (1 when disabled)."""
+        positions and every verification token, 1 + W + G·(N−1) + K·B (1 when disabled)."""
         if not self.enabled:
             return 1
-        return 1 + self.window + self.guesses * self.levels + self.lookup
+        return 1 + self.window + self.guesses * self.levels + self.lookup * self.lookup_branches
 
     def check_fits(self, max_context: int) -> None:
         """Raise :class:`ProfileError` when the largest step does not fit ``max_context`` tokens."""
@@ -124,6 +130,7 @@ class LookaheadProfile:
             "ngram": self.ngram,
             "guesses": self.guesses,
             "lookup": self.lookup,
+            "lookup_branches": self.lookup_branches,
             "enabled": self.enabled,
             "seed_pool_from_prompt": self.seed_pool_from_prompt,
             "max_step": self.max_step,
@@ -142,6 +149,7 @@ class LookaheadProfile:
                 ngram=data["ngram"],
                 guesses=data["guesses"],
                 lookup=data.get("lookup", 0),
+                lookup_branches=data.get("lookup_branches", 1),
                 enabled=data.get("enabled", True),
                 name=data.get("name", name),
                 seed_pool_from_prompt=data.get("seed_pool_from_prompt", True),
@@ -164,10 +172,11 @@ class LookaheadProfile:
             f"window = {self.window}     # W: lookahead window width",
             f"ngram = {self.ngram}      # N: n-gram size (N-1 Jacobi levels)",
             f"guesses = {self.guesses}    # G: verification candidates per step",
-            f"lookup = {self.lookup}     # K: tokens of the history-lookup candidate (0: off)",
+            f"lookup = {self.lookup}     # K: tokens of a history-lookup candidate (0: off)",
+            f"lookup_branches = {self.lookup_branches}  # history-lookup candidates per step",
             f"enabled = {'true' if self.enabled else 'false'}  # false: plain greedy decoding",
             f"seed_pool_from_prompt = {'true' if self.seed_pool_from_prompt else 'false'}",
-            f"# max step = 1 + (W + G)*(N - 1) + K = {self.max_step} tokens",
+            f"# max step = 1 + (W + G)*(N - 1) + K*branches = {self.max_step} tokens",
             "",
         ]
         return "\n".join(lines)
@@ -238,8 +247,9 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
     if _NAME.match(text) and bundled.is_file():
         return load_profile(bundled)
     parts = text.split(",")
-    if len(parts) in (3, 4) and all(p.strip().lstrip("-").isdigit() for p in parts):
-        w, n, g, k = ([int(p) for p in parts] + [0])[:4]
-        return LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}" + (f"k{k}" if len(parts) == 4 else ""), lookup=k)
+    if len(parts) in (3, 4, 5) and all(p.strip().lstrip("-").isdigit() for p in parts):
+        w, n, g, k, b = ([int(p) for p in parts] + [0, 1])[:5]
+        name = f"w{w}n{n}g{g}" + (f"k{k}" if len(parts) >= 4 else "") + (f"b{b}" if len(parts) == 5 else "")
+        return LookaheadProfile(w, n, g, name=name, lookup=k, lookup_branches=b)
     raise ProfileError(f"profile file not found: {text} (give a TOML path, a shipped name ({', '.join(bundled_profile_names())}), "
-                       "or W,N,G[,K])")
+                       "or W,N,G[,K[,B]])")

@@ -133,7 +133,26 @@ def test_update_walks_the_trie_to_the_longest_verified_branch():
 def test_history_lookup_proposes_what_followed_the_latest_suffix_match():
     profile = LookaheadProfile(1, 2, 0, lookup=4)
     state = LookaheadState(profile, vocab=50, prompt_ids=[1, 7, 8, 9, 10, 11, 2, 7, 8])
-    assert state.candidates(8) == [[9, 10, 11, 2]]
+    assert state.candidates(8) == [[9, 10]]  # a 2-token match (7, 8): half of K
     state.observe([9])
-    assert state.candidates(9) == [[10, 11, 2, 7]]
+    assert state.candidates(9) == [[10, 11, 2, 7]]  # a 3-token match (7, 8, 9): all of K
     assert profile.max_step == 1 + 1 + 4
+
+
+def test_history_lookup_branches_come_from_distinct_earlier_occurrences():
+    profile = LookaheadProfile(1, 2, 0, lookup=4, lookup_branches=3)
+    #                    5 6 | 20 21      5 6 | 30 31      5 6 | 20 22     ... 5 6
+    prompt = [1, 5, 6, 20, 21, 9, 5, 6, 30, 31, 9, 5, 6, 20, 22, 9, 4, 5, 6]
+    state = LookaheadState(profile, vocab=50, prompt_ids=prompt)
+    # (5, 6) matched at three places, latest first; (20, 22) and (20, 21) share a first token
+    assert state.candidates(6) == [[20, 22], [30, 31]]
+    assert profile.max_step == 1 + 1 + 4 * 3
+    tokens, parents, _ = build_trie(state.candidates(6))
+    assert tokens == [20, 22, 30, 31] and parents == (-1, 0, -1, 2)
+
+
+def test_history_lookup_span_follows_match_strength():
+    from lade_export.ngram import HistoryIndex
+
+    assert [HistoryIndex.span(m, 10) for m in (3, 2, 1)] == [10, 5, 2]
+    assert [HistoryIndex.span(m, 1) for m in (3, 2, 1)] == [1, 1, 1]
