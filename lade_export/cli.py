@@ -347,18 +347,19 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 
 
 def _report_skipped(skipped, kept, context: int) -> None:
-    """One stderr line per record left out for not fitting the context; an error when none fits.
+    """One stderr line per record left out for not fitting the context; an error (its one
+    line only) when none fits.
 
     Raises:
         GenerationError: every record was left out (nothing is written then).
     """
-    for record in skipped:
-        click.echo(record.line(), err=True)
     if skipped and not kept:
         first = skipped[0]
         raise GenerationError(f"none of the {len(skipped)} record(s) fits the model's context of {context} tokens "
                               f"(the first, {first.path} record {first.record}, has {first.prompt_tokens} prompt "
                               "tokens); nothing was written")
+    for record in skipped:
+        click.echo(record.line(), err=True)
 
 
 @main.command()
@@ -475,6 +476,11 @@ def inspect(artifact_dir, as_json):
     console.print(f"model: {d['num_layers']} layers, {d['heads']} heads / {d['kv_heads']} kv heads × {d['head_dim']}, "
                   f"hidden {d['hidden']}, vocab {d['vocab']}, context {d['max_context']}, tied embeddings "
                   f"{d['tied_embeddings']}; stop ids {m['model']['stop_token_ids']}")
+    rope = m["model"].get("rope")
+    if rope:
+        console.print(f"rope {rope['type']}: {rope['handling']}, context {rope['declared_context']} of "
+                      f"{rope['max_position_embeddings']}" + (f", thresholds {rope['thresholds']}" if rope["thresholds"]
+                                                               else ""))
     prof = Table(title="lookahead profiles")
     for col in ("name", "W", "N", "G", "max step"):
         prof.add_column(col)
@@ -501,6 +507,14 @@ def inspect(artifact_dir, as_json):
         par.add_row(c["label"], str(c["step"]), str(c["past"]), f"{c['max_abs']:.2e}", f"{c['rel']:.1e}",
                     str(c["argmax_equal"]))
     console.print(par)
+    reference = m["parity"].get("transformers")
+    if reference:
+        ref = Table(title=f"parity (ONNX Runtime vs {reference['reference']})")
+        for col in ("case", "tokens", "rows", "max |Δlogit|", "argmax equal"):
+            ref.add_column(col)
+        for c in reference["cases"]:
+            ref.add_row(c["label"], str(c["tokens"]), str(c["rows"]), f"{c['max_abs']:.2e}", str(c["argmax_equal"]))
+        console.print(ref)
     from .check import checksum_errors
 
     bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))
