@@ -90,13 +90,17 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 def tiny_checkpoint(folder: Path, rope: dict | None = None, max_position_embeddings: int = 256, legacy_rope=False,
-                    seed: int = 0, **config) -> Path:
+                    seed: int = 0, save_dtype=None, **config) -> Path:
     """Save a tiny random LLaMA checkpoint (3 layers, vocab 512, head_dim 16, GQA 4/2) with
     transformers itself, beside stories260K's tokenizer files, and return its folder.
 
     Weights are drawn with ``initializer_range`` 0.2 (logits of a few units, so a rope
-    mismatch shows as a large logit difference). ``legacy_rope`` writes the config the
-    way transformers 4 did (``rope_scaling`` with ``type``, ``rope_theta`` at the top).
+    mismatch shows as a large logit difference); biases and norm weights, which
+    transformers initialises to 0 and 1, are drawn too, so a field that only they carry
+    (``attention_bias``, ``mlp_bias``, ``rms_norm_eps``) changes the logits. ``config``
+    overrides ``LlamaConfig`` fields; ``save_dtype`` (e.g. ``torch.bfloat16``) stores the
+    weights in that dtype. ``legacy_rope`` writes the config the way transformers 4 did
+    (``rope_scaling`` with ``type``, ``rope_theta`` at the top).
     """
     import shutil
 
@@ -109,7 +113,16 @@ def tiny_checkpoint(folder: Path, rope: dict | None = None, max_position_embeddi
     settings.update(config)
     cfg = LlamaConfig(max_position_embeddings=max_position_embeddings,
                       rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}, **settings)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
+    model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(STORIES / name, folder / name)
     if legacy_rope:

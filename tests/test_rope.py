@@ -32,12 +32,20 @@ VARIANTS = {
     "linear": ({"rope_type": "linear", "factor": 4.0}, 256, False, 256, "exact", []),
     "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256, False, 256, "exact",
              [64]),
+    # The optional yarn keys away from their defaults (mscale/mscale_all_dim set the attention factor).
+    "yarn-tuned": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                    "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}, 256, False, 256,
+                   "exact", [64]),
     "llama3": ({"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64}, 256, False, 256, "exact", [64]),
     "proportional": ({"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5}, 256, False, 256,
                      "exact", []),
-    "longrope-equal-factors": ({"rope_type": "longrope", "short_factor": LONG, "long_factor": LONG,
-                                "original_max_position_embeddings": 64}, 256, False, 256, "exact", [64]),
+    # transformers' default rope ignores partial_rotary_factor (it rotates the whole head); so does the export.
+    "default-partial": ({"rope_type": "default", "partial_rotary_factor": 0.5}, 256, False, 256, "exact", []),
+    # Equal factor lists: nothing switches, the whole context is exact (explicit factor and attention_factor).
+    "longrope-equal-factors": ({"rope_type": "longrope", "short_factor": LONG, "long_factor": LONG, "factor": 4.0,
+                                "attention_factor": 1.2, "original_max_position_embeddings": 64}, 256, False, 256,
+                               "exact", [64]),
     # The issue's case: short factors 1.0, long factors rising to 64, original 64, max 512.
     "longrope": ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
                   "original_max_position_embeddings": 64}, 512, False, 64, "capped", [64]),
