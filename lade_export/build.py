@@ -104,7 +104,7 @@ def save_tokenizer(hf_tokenizer, folder: Path) -> dict:
             "special_tokens": special, "checked_samples": len(TOKENIZER_SAMPLES)}
 
 
-def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[int], threads=None) -> dict:
+def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[int], threads=None, engine=None) -> dict:
     """Compare the graph with transformers' model at the lengths of
     :func:`lade_export.rope.reference_lengths` (both sides of every rope threshold).
 
@@ -121,8 +121,9 @@ def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[in
     from .rope import reference_lengths
 
     lengths = reference_lengths(plan, len(prompt_ids))
-    token_ids = reference_token_ids(loaded.tokenizer, prompt_ids, max(lengths) + 1)
-    cases = check_against_transformers(loaded.model, onnx_path, dims, token_ids, lengths, threads=threads)
+    token_ids = reference_token_ids(loaded.tokenizer, prompt_ids, max(lengths))
+    cases = check_against_transformers(loaded.model, onnx_path, dims, token_ids, lengths, threads=threads,
+                                       engine=engine)
     bad = [c for c in cases if not c.ok()]
     if bad:
         c = bad[0]
@@ -227,13 +228,18 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)[: max(2, dims.max_context // 2)]
         t2 = time.perf_counter()
-        cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, threads=threads)
+        from .backends.onnxruntime import OrtEngine
+
+        engine = OrtEngine(onnx_path, dims, threads=threads)  # one session for both checks
+        cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, engine=engine)
         _raise_on_parity(cases)
         parity_s = time.perf_counter() - t2
         say("checking the graph against transformers on both sides of the rope thresholds")
         t3 = time.perf_counter()
-        reference = transformers_parity(loaded, onnx_path, step.rope, dims, prompt_ids, threads=threads)
+        reference = transformers_parity(loaded, onnx_path, step.rope, dims, prompt_ids, engine=engine)
         reference_s = time.perf_counter() - t3
+        engine.close()
+        del engine
         engines = []
         if engine_options is not None:
             engines = build_tensorrt_engines(step, onnx_path, tmp, profiles, prompt_ids, engine_options, timing_cache,

@@ -333,8 +333,11 @@ def reference_cases(step_module: DecoderStep, prompt_ids: list[int], profile=Non
 
 
 def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: list[int], profile=None,
-                 threads: int | None = None) -> list[ParityCase]:
+                 threads: int | None = None, engine=None) -> list[ParityCase]:
     """Compare ONNX Runtime against the PyTorch step on :func:`reference_cases`.
+
+    ``engine``: an already open :class:`~lade_export.backends.onnxruntime.OrtEngine` on
+    ``onnx_path`` (saves a session creation, seconds for a large graph).
 
     Returns:
         one :class:`ParityCase` per shape (max abs logits difference, max |logit|,
@@ -342,7 +345,7 @@ def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: li
     """
     from .backends.onnxruntime import OrtEngine
 
-    engine = OrtEngine(onnx_path, step_module.dims, threads=threads)
+    engine = engine or OrtEngine(onnx_path, step_module.dims, threads=threads)
     results = []
     for label, feeds in reference_cases(step_module, prompt_ids, profile):
         ref = run_torch_step(step_module, feeds)
@@ -372,9 +375,9 @@ class ReferenceCase:
 
     Attributes:
         label: ``prefill`` (the graph's prefill of ``tokens`` tokens, every row, against
-            transformers on those tokens) or ``decode`` (one step at position
-            ``tokens − 1`` on the prefill's cache, against transformers' last position on
-            ``tokens`` tokens).
+            transformers on those tokens) or ``decode`` (a prefill of ``tokens − 1``
+            tokens, then one step at position ``tokens − 1`` on its cache, against
+            transformers' last position on ``tokens`` tokens).
         tokens: sequence length transformers ran, in one call.
         step, past: the graph's step and cache lengths.
         rows: positions compared.
@@ -406,50 +409,50 @@ def _reference_case(label, tokens, step, past, ref: np.ndarray, got: np.ndarray)
 
 
 def check_against_transformers(hf_model, onnx_path: str | Path, dims: ModelDims, token_ids, lengths,
-                               threads: int | None = None) -> list[ReferenceCase]:
+                               threads: int | None = None, engine=None) -> list[ReferenceCase]:
     """Compare the exported graph (ONNX Runtime) with transformers' model itself.
 
-    For each length ``L`` of ``lengths``: transformers runs ``token_ids[:L]`` in one call
-    and the graph prefills the same tokens — logits compared at every position; then
-    transformers runs ``token_ids[:L+1]`` in one call and the graph runs one decode step
-    (token ``L`` at position ``L``) on its prefill's KV cache — last-position logits
-    compared. Each transformers call starts from nothing (no cache), as a user's
-    ``model(input_ids)`` or the prefill of ``generate`` does, so position-dependent rope
-    variants pick their frequencies from that call's length.
+    For each length ``L`` of ``lengths``, transformers runs ``token_ids[:L]`` in one call
+    from nothing (no cache), as a user's ``model(input_ids)`` or the prefill of
+    ``generate`` does, so position-dependent rope variants pick their frequencies from
+    that call. Against its logits: the graph's prefill of the ``L`` tokens (every
+    position), and the graph's prefill of ``L − 1`` tokens followed by one decode step
+    (token ``L − 1`` at position ``L − 1`` on that cache, the last position).
 
     Args:
         hf_model: the transformers causal LM the graph was exported from (float32, eval).
         onnx_path: the exported graph.
         dims: its :class:`ModelDims`.
-        token_ids: at least ``max(lengths) + 1`` token ids.
-        lengths: prompt lengths, each in ``1 … dims.max_context − 1``.
+        token_ids: at least ``max(lengths)`` token ids.
+        lengths: sequence lengths, each in ``2 … dims.max_context``.
         threads: ONNX Runtime threads.
+        engine: an already open ``OrtEngine`` on ``onnx_path`` (else one is opened).
 
     Returns:
         two :class:`ReferenceCase` per length (``prefill``, ``decode``), in length order.
 
     Raises:
-        ValueError: ``token_ids`` too short or a length outside the declared context.
+        ValueError: ``token_ids`` too short or a length outside ``2 … dims.max_context``.
     """
     from .backends.onnxruntime import OrtEngine
 
     ids = np.asarray(token_ids, dtype=np.int64)
     lengths = sorted(lengths)
-    if lengths and (len(ids) < lengths[-1] + 1 or lengths[0] < 1 or lengths[-1] >= dims.max_context):
-        raise ValueError(f"lengths {lengths} need 1 ≤ L < {dims.max_context} and {lengths[-1] + 1} tokens")
-    engine = OrtEngine(onnx_path, dims, threads=threads)
+    if lengths and (len(ids) < lengths[-1] or lengths[0] < 2 or lengths[-1] > dims.max_context):
+        raise ValueError(f"lengths {lengths} need 2 ≤ L ≤ {dims.max_context} and {lengths[-1]} tokens")
+    engine = engine or OrtEngine(onnx_path, dims, threads=threads)
+    empty = empty_past_feeds(dims)
     cases = []
     for n in lengths:
         with torch.inference_mode():
-            ref_prefill = hf_model(torch.from_numpy(ids[None, :n])).logits[0].float().numpy()  # [n, vocab]
-            ref_next = hf_model(torch.from_numpy(ids[None, : n + 1]), logits_to_keep=1).logits[0].float().numpy()
-        out = engine.run({**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty_past_feeds(dims)},
-                         with_logits=True)
-        cases.append(_reference_case("prefill", n, n, 0, ref_prefill, out["logits"][0]))
+            ref = hf_model(torch.from_numpy(ids[None, :n])).logits[0].float().numpy()  # [n, vocab]
+        out = engine.run({**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty}, with_logits=True)
+        cases.append(_reference_case("prefill", n, n, 0, ref, out["logits"][0]))
+        head = engine.run({**causal_feeds(ids[: n - 1], 0), **empty})
         past = {}
         for i in range(dims.num_layers):
-            past[past_key_name(i)] = out[present_key_name(i)]
-            past[past_value_name(i)] = out[present_value_name(i)]
-        nxt = engine.run({**causal_feeds(ids[n : n + 1], n), **past}, with_logits=True)
-        cases.append(_reference_case("decode", n + 1, 1, n, ref_next, nxt["logits"][0]))
+            past[past_key_name(i)] = head[present_key_name(i)]
+            past[past_value_name(i)] = head[present_value_name(i)]
+        nxt = engine.run({**causal_feeds(ids[n - 1 : n], n - 1), **past}, with_logits=True)
+        cases.append(_reference_case("decode", n, 1, n - 1, ref[-1:], nxt["logits"][0]))
     return cases

@@ -161,21 +161,22 @@ REFERENCE_PLAIN_TOKENS = 128
 
 
 def reference_lengths(plan: RopePlan, base_tokens: int, limit: int = REFERENCE_MAX_TOKENS) -> list[int]:
-    """Prompt lengths (tokens) at which the build compares the graph with transformers.
+    """Sequence lengths (tokens) at which the build compares the graph with transformers.
 
-    Each length ``L`` is a prefill of ``L`` tokens (positions ``0 … L−1``) followed by one
-    decode step at position ``L``, so ``L`` stays below the declared context. The set
-    holds ``base_tokens`` (the parity prompt), ``t − 1``, ``t`` and ``t + 1`` for every
-    threshold ``t`` (so prefills and decode steps fall on both sides of it), the last
-    length of the declared context when it is at most ``limit``, and
-    :data:`REFERENCE_PLAIN_TOKENS` otherwise. Lengths above ``limit`` are left out.
+    Each length ``L`` is one transformers call on ``L`` tokens, against the graph's
+    prefill of them and its decode step at position ``L − 1``
+    (:func:`lade_export.graph.check_against_transformers`). The set holds
+    ``base_tokens`` (the parity prompt), ``t − 1``, ``t`` and ``t + 1`` for every
+    threshold ``t`` (calls and decode steps on both sides of it), the whole declared
+    context when it is at most ``limit`` tokens, and :data:`REFERENCE_PLAIN_TOKENS`
+    otherwise. Lengths above ``limit`` are left out.
 
     Returns:
-        sorted distinct lengths, each in ``1 … min(declared_context − 1, limit)``.
+        sorted distinct lengths, each in ``2 … min(declared_context, limit)``.
     """
-    top = min(plan.declared_context - 1, limit)
+    top = min(plan.declared_context, limit)
     wanted = {base_tokens}
     for t in plan.thresholds:
         wanted.update((t - 1, t, t + 1))
-    wanted.add(plan.declared_context - 1 if plan.declared_context - 1 <= limit else REFERENCE_PLAIN_TOKENS)
-    return sorted(n for n in wanted if 1 <= n <= top)
+    wanted.add(plan.declared_context if plan.declared_context <= limit else REFERENCE_PLAIN_TOKENS)
+    return sorted(n for n in wanted if 2 <= n <= top)

@@ -110,8 +110,8 @@ def test_rope_variant_matches_transformers_on_both_sides_of_each_threshold(name,
     # The build's own check against transformers ran on both sides of every threshold below the context.
     reference = manifest["parity"]["transformers"]
     for t in thresholds:
-        assert {t - 1, t, t + 1} & set(range(declared)) <= set(reference["lengths"])
-    assert declared - 1 in reference["lengths"]  # the last position of the declared context
+        assert {t - 1, t, t + 1} & set(range(2, declared + 1)) <= set(reference["lengths"])
+    assert declared in reference["lengths"]  # up to the last position of the declared context
     assert all(c["max_abs"] <= PARITY_MAX_ABS and c["argmax_equal"] for c in reference["cases"])
 
     # Independently: every accepted length, prefill and the decode step after it, against transformers.
@@ -198,7 +198,7 @@ def test_build_fails_when_the_graph_differs_from_transformers(tmp_path, monkeypa
     assert result.exit_code == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [line for line in result.stderr.splitlines() if not line.startswith("[")]
-    assert errors[0].startswith("error: parity check (ONNX graph vs transformers) failed at decode of 65 tokens with "
+    assert errors[0].startswith("error: parity check (ONNX graph vs transformers) failed at prefill of 65 tokens with "
                                 "rope type 'longrope' (declared context 512): max |Δlogit| ")
     assert not out.exists()
 
@@ -234,9 +234,9 @@ def test_plan_refuses_partial_rotation_it_cannot_reference():
 
 def test_reference_lengths_straddle_thresholds_and_stay_modest():
     plan = RopePlan("yarn", 512, 512, "exact", (64,))
-    assert reference_lengths(plan, 40) == [40, 63, 64, 65, 511]
+    assert reference_lengths(plan, 40) == [40, 63, 64, 65, 512]
     capped = RopePlan("longrope", 512, 64, "capped", (64,))
-    assert reference_lengths(capped, 40) == [40, 63]
+    assert reference_lengths(capped, 40) == [40, 63, 64]
     big = RopePlan("default", 8192, 8192, "exact", ())
     assert reference_lengths(big, 45) == [45, 128]  # SmolLM2: no 8k-token prompts in a build
     far = RopePlan("llama3", 131072, 131072, "exact", (8192,))
