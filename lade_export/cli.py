@@ -136,9 +136,10 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
 
 
 def _echo_rope_note(manifest) -> None:
-    """Repeat the rope note after the build (a terminal's spinner does not keep stage lines)."""
+    """Repeat the rope note after the build on a terminal, whose spinner does not keep stage
+    lines (elsewhere the stage line ``[  t s] note: …`` stays in the log)."""
     rope = manifest["model"].get("rope") or {}
-    if rope.get("reason"):
+    if rope.get("reason") and _console().is_terminal:
         click.echo(f"note: {rope['reason']}", err=True)
 
 
