@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import __version__
 from .artifact import SCHEMA_VERSION, atomic_directory, file_entries, write_json_atomic
+from .backends.onnxruntime import OrtEngine
 from .errors import CheckFailedError
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
 from .model_source import load_model
@@ -228,8 +229,6 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
         prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)[: max(2, dims.max_context // 2)]
         t2 = time.perf_counter()
-        from .backends.onnxruntime import OrtEngine
-
         engine = OrtEngine(onnx_path, dims, threads=threads)  # one session for both checks
         cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, engine=engine)
         _raise_on_parity(cases)
@@ -239,7 +238,6 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         reference = transformers_parity(loaded, onnx_path, step.rope, dims, prompt_ids, engine=engine)
         reference_s = time.perf_counter() - t3
         engine.close()
-        del engine
         engines = []
         if engine_options is not None:
             engines = build_tensorrt_engines(step, onnx_path, tmp, profiles, prompt_ids, engine_options, timing_cache,
