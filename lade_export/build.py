@@ -1,4 +1,6 @@
-"""The build pipeline: load → export → parity check → tokenizer → manifest, atomically."""
+"""The build pipeline: load → rope plan → export → parity (ONNX Runtime vs the PyTorch step;
+the graph vs transformers' model on both sides of every rope threshold) → tokenizer →
+manifest, atomically."""
 
 from __future__ import annotations
 
@@ -9,12 +11,20 @@ from pathlib import Path
 
 from . import __version__
 from .artifact import SCHEMA_VERSION, atomic_directory, file_entries, write_json_atomic
+from .backends.onnxruntime import OrtEngine
 from .errors import CheckFailedError
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
 from .model_source import load_model
 from .specs import step_io_specs
 
 PARITY_PROMPT = "Once upon a time, a curious engineer wanted to make a small language model decode faster."
+#: Text that extends the parity prompt to the lengths of the transformers parity check (repeated as needed).
+REFERENCE_TEXT = (
+    " She wrote down every step the model took, one token after another, and counted how often the next word was "
+    "easy to guess. The old lighthouse keeper said that a long story is only many short ones in a row, so she "
+    "tried reading three words ahead. Some days the guesses were right and the work went twice as fast; on other "
+    "days the sea was grey, the numbers were stubborn, and she began again from the first line with a cup of tea."
+)
 
 
 def _versions() -> dict:
@@ -40,6 +50,16 @@ def parity_prompt_ids(tokenizer, chat: bool) -> list[int]:
                                             tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(PARITY_PROMPT).input_ids)
+
+
+def reference_token_ids(tokenizer, prompt_ids: list[int], count: int) -> list[int]:
+    """``count`` real token ids for the transformers parity check: the parity prompt, then
+    :data:`REFERENCE_TEXT` (tokenized without special tokens) repeated as needed."""
+    more = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False).input_ids) or [0]
+    ids = list(prompt_ids)
+    while len(ids) < count:
+        ids += more
+    return ids[:count]
 
 
 #: Texts on which the runtime tokenizer must give transformers' ids (plain and chat).
@@ -83,6 +103,38 @@ def save_tokenizer(hf_tokenizer, folder: Path) -> dict:
                 raise CheckFailedError(f"the runtime's chat template gives other ids than transformers for {text!r}")
     return {"dir": folder.name, "file": f"{folder.name}/tokenizer.json", "chat_template": template,
             "special_tokens": special, "checked_samples": len(TOKENIZER_SAMPLES)}
+
+
+def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[int], threads=None, engine=None) -> dict:
+    """Compare the graph with transformers' model at the lengths of
+    :func:`lade_export.rope.reference_lengths` (both sides of every rope threshold).
+
+    Returns:
+        the manifest's ``parity.transformers`` section.
+
+    Raises:
+        CheckFailedError: a length beyond max |Δlogit| 1e-3 or with another argmax (one line
+            naming the length, the rope type and the declared context).
+    """
+    import transformers
+
+    from .graph import check_against_transformers
+    from .rope import reference_lengths
+
+    lengths = reference_lengths(plan, len(prompt_ids))
+    token_ids = reference_token_ids(loaded.tokenizer, prompt_ids, max(lengths))
+    cases = check_against_transformers(loaded.model, onnx_path, dims, token_ids, lengths, threads=threads,
+                                       engine=engine)
+    bad = [c for c in cases if not c.ok()]
+    if bad:
+        c = bad[0]
+        raise CheckFailedError(
+            f"parity check (ONNX graph vs transformers) failed at {c.label} of {c.tokens} tokens with rope type "
+            f"{plan.rope_type!r} (declared context {dims.max_context}): max |Δlogit| {c.max_abs:.3g}, argmax equal "
+            f"{c.argmax_equal}")
+    return {"reference": f"transformers {transformers.__version__} {type(loaded.model).__name__}",
+            "bounds": {"max_abs": PARITY_MAX_ABS, "argmax": "identical"}, "lengths": lengths,
+            "cases": [c.as_dict() for c in cases]}
 
 
 def _raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
@@ -192,7 +244,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         profiles: lookahead profiles to record (their shapes bound the engines).
         out: destination directory (written atomically).
         force: replace an existing ``out`` once the new build succeeded.
-        status: optional callable ``status(message)`` for progress display.
+        status: optional callable ``status(message)`` for progress display; also gets a
+            ``note: …`` line when the declared context is capped for the rope variant.
         threads: ONNX Runtime threads for the parity check.
         loaded: an already loaded :class:`~lade_export.model_source.LoadedModel` for
             ``source`` (skips loading; used by tests and tools that hold the model).
@@ -203,7 +256,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
 
     Raises:
         ModelSourceError, ProfileError, ArtifactError: bad inputs (nothing written).
-        CheckFailedError: ONNX-vs-PyTorch parity beyond the float32 bounds (nothing written).
+        CheckFailedError: ONNX-vs-PyTorch parity beyond the float32 bounds, or the graph
+            differs from transformers' model at a checked prompt length (nothing written).
         BackendUnavailableError: TensorRT requested but missing (nothing written).
     """
     say = status or (lambda msg: None)
@@ -213,6 +267,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         loaded = loaded or load_model(source)
         step = DecoderStep(loaded.model).eval()
         dims = step.dims
+        if step.rope.reason:
+            say(f"note: {step.rope.reason}")
         for profile in profiles:
             profile.check_fits(dims.max_context)
         load_s = time.perf_counter() - t0
@@ -222,9 +278,17 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         export_s = time.perf_counter() - t1
         say("checking ONNX Runtime against PyTorch")
         chat = bool(getattr(loaded.tokenizer, "chat_template", None))
-        prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)
-        cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, threads=threads)
+        prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)[: max(2, dims.max_context // 2)]
+        t2 = time.perf_counter()
+        engine = OrtEngine(onnx_path, dims, threads=threads)  # one session for both checks
+        cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, engine=engine)
         _raise_on_parity(cases)
+        parity_s = time.perf_counter() - t2
+        say("checking the graph against transformers on both sides of the rope thresholds")
+        t3 = time.perf_counter()
+        reference = transformers_parity(loaded, onnx_path, step.rope, dims, prompt_ids, engine=engine)
+        reference_s = time.perf_counter() - t3
+        engine.close()
         engines = []
         if engine_options is not None:
             engines = build_tensorrt_engines(step, onnx_path, tmp, profiles, prompt_ids, engine_options, timing_cache,
@@ -242,6 +306,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             "model": {
                 "architecture": "llama",
                 "dims": dims.as_dict(),
+                "rope": step.rope.as_dict(),
                 "stop_token_ids": loaded.stop_token_ids,
                 "bos_token_id": tok.bos_token_id,
                 "eos_token_id": tok.eos_token_id,
@@ -267,8 +332,10 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                      "rel": c.rel, "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs}
                     for c in cases
                 ],
+                "transformers": reference,
             },
-            "timings_s": {"load": round(load_s, 2), "export": round(export_s, 2)},
+            "timings_s": {"load": round(load_s, 2), "export": round(export_s, 2), "parity": round(parity_s, 2),
+                          "transformers_parity": round(reference_s, 2)},
             "engines": engines,
             "files": file_entries(tmp, names),
         }

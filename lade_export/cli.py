@@ -107,10 +107,13 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
         engine_options = dict(precision=precision, max_batch=max_batch, max_prompt=max_prompt, max_context=max_context,
                               version_compatible=version_compatible, hardware_compatible=hardware_compatible)
     if dry_run:
+        from .graph import DecoderStep
         from .model_source import load_model
-        from .specs import ModelDims
 
-        dims = ModelDims.from_config(load_model(source).model.config)
+        step = DecoderStep(load_model(source).model)
+        dims = step.dims
+        if step.rope.reason:
+            click.echo(f"note: {step.rope.reason}", err=True)
         for profile in profiles:
             profile.check_fits(dims.max_context)
         click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json")
@@ -140,6 +143,15 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
     click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
                f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
                f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
+    _echo_rope_note(manifest)
+
+
+def _echo_rope_note(manifest) -> None:
+    """Repeat the rope note after the build on a terminal, whose spinner does not keep stage
+    lines (elsewhere the stage line ``[  t s] note: …`` stays in the log)."""
+    rope = manifest["model"].get("rope") or {}
+    if rope.get("reason") and _console().is_terminal:
+        click.echo(f"note: {rope['reason']}", err=True)
 
 
 class _progress:
@@ -181,6 +193,7 @@ def export(source, out, force):
     with _progress() as say:
         manifest = build_artifact(source, _profiles(None), out, force=force, status=say)
     click.echo(f"exported {out / manifest['graph']['file']}")
+    _echo_rope_note(manifest)
 
 
 def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
@@ -199,14 +212,19 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
             raise GenerationError(f"{name} has only {len(prompts)} prompts; index {index} is out of range")
         return prompts[int(index)].text
     if prompt_file is not None:
+        import codecs
+
         try:
-            return Path(prompt_file).read_bytes().decode("utf-8")
+            data = Path(prompt_file).read_bytes()
         except FileNotFoundError:
             raise GenerationError(f"prompt file not found: {prompt_file}") from None
         except (IsADirectoryError, PermissionError) as err:
             raise GenerationError(f"cannot read prompt file {prompt_file}: {err.strerror}") from None
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is not prompt text
+        try:
+            return data[bom:].decode("utf-8")
         except UnicodeDecodeError as err:
-            raise GenerationError(f"prompt file {prompt_file} is not UTF-8 text (byte {err.start})") from None
+            raise GenerationError(f"prompt file {prompt_file} is not UTF-8 text (byte {bom + err.start})") from None
     if prompt is None:
         raise GenerationError("give --prompt TEXT, --prompt-file PATH or --prompt-from DATASET:INDEX")
     return prompt
@@ -215,7 +233,8 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Prompt text.")
-@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from a UTF-8 file.")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
+              help="Read the prompt from a UTF-8 file (a leading byte-order mark is ignored).")
 @click.option("--prompt-from", default=None, metavar="DATASET:INDEX",
               help="Take the prompt from a workload, e.g. mt_bench:0, humaneval:3, gsm8k:10.")
 @click.option("--chat/--no-chat", default=None,
@@ -339,14 +358,15 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     total = sum(counts) * (1 + len(profiles) + len(peers))
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("comparing", total=total)
-        records = run_compare(decoder, tokenizer, chat, list(datasets), profiles, limit, max_new_tokens, peers,
-                              peer_model, progress=lambda n: progress.advance(task, n), sampling=sampling)
+        records, skipped = run_compare(decoder, tokenizer, chat, list(datasets), profiles, limit, max_new_tokens,
+                                       peers, peer_model, progress=lambda n: progress.advance(task, n), sampling=sampling)
+    _report_skipped(skipped, records, decoder.max_context)
     rows = summarize(records)
     meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
             "backend": f"{backend} ({device}, {dtype if backend == 'torch' else 'float32'})",
             "threads": threads or "default", "decoding": sampling.describe(), "datasets": ", ".join(datasets),
-            "limit": limit,
-            "max_new_tokens": max_new_tokens, "command": "lade-export compare " + " ".join(sys.argv[2:])}
+            "limit": limit, "max_new_tokens": max_new_tokens,
+            "command": "lade-export compare " + " ".join(sys.argv[2:]), "skipped": [r.line() for r in skipped]}
     write_outputs(out, records, rows, meta)
     table = Table(title=f"compare: {', '.join(datasets)} ({limit} prompts, {max_new_tokens} new tokens max)")
     for col in ("dataset", "config", "compression", "tok/s", "speedup", "p50 ms/tok", "exact"):
@@ -356,12 +376,29 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
                       f"{r['speedup_vs_baseline']:.2f}x", f"{r['p50_ms_per_token']:.1f}",
                       "n/a" if r["exact"] is None else f"{r['exact']}/{r['prompts']}")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
-    click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv, speedup.png")
+    click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv, speedup.png"
+               + (f" ({len(skipped)} record(s) skipped: they do not fit the context)" if skipped else ""))
     bad = [r for r in records if r.exact is False and r.config not in ("transformers-greedy",)]
     if bad:
         first = bad[0]
         raise CheckFailedError(f"{len(bad)} output(s) differ from {first.reference}: first {first.config} on "
                                f"{first.dataset} prompt {first.prompt_id}")
+
+
+def _report_skipped(skipped, kept, context: int) -> None:
+    """One stderr line per record left out for not fitting the context; an error (its one
+    line only) when none fits.
+
+    Raises:
+        GenerationError: every record was left out (nothing is written then).
+    """
+    if skipped and not kept:
+        first = skipped[0]
+        raise GenerationError(f"none of the {len(skipped)} record(s) fits the model's context of {context} tokens "
+                              f"(the first, {first.path} record {first.record}, has {first.prompt_tokens} prompt "
+                              "tokens); nothing was written")
+    for record in skipped:
+        click.echo(record.line(), err=True)
 
 
 @main.command()
@@ -385,7 +422,7 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
     from rich.progress import Progress
 
     from .artifact import write_text_atomic
-    from .compare import environment
+    from .compare import environment, fit_prompts
     from .datasets import load_prompts
     from .tune import grid_profiles
     from .tune import tune as run_tune
@@ -393,15 +430,18 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
     profiles = grid_profiles(list(candidates) if candidates else grid)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, "cpu", "float32", threads)
     chat = artifact.has_chat_template
-    prompts = [tokenizer.encode_prompt(p.text, chat) for p in load_prompts(dataset, limit=limit, chat=chat, skip=skip)]
+    kept, skipped = fit_prompts(decoder, tokenizer, load_prompts(dataset, limit=limit, chat=chat, skip=skip), chat)
+    _report_skipped(skipped, kept, decoder.max_context)
+    prompts = [ids for _, ids in kept]
     half = (len(prompts) + 1) // 2
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("tuning", total=half * len(profiles) + (len(prompts) - half))
         result = run_tune(decoder, prompts, profiles, max_new_tokens, progress=lambda n: progress.advance(task, n))
+    result.skipped = [r.line() for r in skipped]
     result.name = out.stem if out.stem.replace("-", "").replace("_", "").isalnum() else "tuned"
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True)
-    write_text_atomic(out, result.toml(f"{dataset} (prompts {skip}..{skip + len(prompts) - 1}, "
+    write_text_atomic(out, result.toml(f"{dataset} (records {skip}..{skip + len(prompts) + len(skipped) - 1}, "
                                        f"{max_new_tokens} new tokens)", environment()))
     b, h = result.best, result.held_out
     click.echo(f"best on sample: {b.profile.name} (compression {b.compression:.2f}, speedup {b.speedup:.2f}x); "
@@ -478,6 +518,11 @@ def inspect(artifact_dir, as_json):
     console.print(f"model: {d['num_layers']} layers, {d['heads']} heads / {d['kv_heads']} kv heads × {d['head_dim']}, "
                   f"hidden {d['hidden']}, vocab {d['vocab']}, context {d['max_context']}, tied embeddings "
                   f"{d['tied_embeddings']}; stop ids {m['model']['stop_token_ids']}")
+    rope = m["model"].get("rope")
+    if rope:
+        console.print(f"rope {rope['type']}: {rope['handling']}, context {rope['declared_context']} of "
+                      f"{rope['max_position_embeddings']}" + (f", thresholds {rope['thresholds']}" if rope["thresholds"]
+                                                               else ""))
     prof = Table(title="lookahead profiles")
     for col in ("name", "W", "N", "G", "max step"):
         prof.add_column(col)
@@ -504,6 +549,14 @@ def inspect(artifact_dir, as_json):
         par.add_row(c["label"], str(c["step"]), str(c["past"]), f"{c['max_abs']:.2e}", f"{c['rel']:.1e}",
                     str(c["argmax_equal"]))
     console.print(par)
+    reference = m["parity"].get("transformers")
+    if reference:
+        ref = Table(title=f"parity (ONNX Runtime vs {reference['reference']})")
+        for col in ("case", "tokens", "rows", "max |Δlogit|", "argmax equal"):
+            ref.add_column(col)
+        for c in reference["cases"]:
+            ref.add_row(c["label"], str(c["tokens"]), str(c["rows"]), f"{c['max_abs']:.2e}", str(c["argmax_equal"]))
+        console.print(ref)
     from .check import checksum_errors
 
     bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))

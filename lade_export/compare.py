@@ -104,6 +104,60 @@ def run_peer(model, name: str, prompt_ids: list, max_new_tokens: int, stop_ids: 
     return {"token_ids": new, "prefill_s": first - t0, "decode_s": t1 - first, "steps": max(clock.calls - 1, 1)}
 
 
+@dataclasses.dataclass(frozen=True)
+class SkippedRecord:
+    """A dataset record left out of a run because it does not fit the model's context.
+
+    Attributes:
+        path: the dataset file; record: its 0-based record index; prompt_id: the record's id.
+        prompt_tokens: the prompt's length in tokens (chat template included when used).
+        context: the artifact's declared context, tokens.
+        reason: the runtime's own refusal (:meth:`lade_export.runtime.Decoder.check_request`).
+    """
+
+    path: str
+    record: int
+    prompt_id: str
+    prompt_tokens: int
+    context: int
+    reason: str
+
+    def line(self) -> str:
+        """One line for stderr and the summaries."""
+        return (f"skipped {self.path} record {self.record} (id {self.prompt_id}), it does not fit the context: "
+                f"{self.reason}")
+
+
+def fit_prompts(decoder, tokenizer, prompts, chat: bool) -> tuple[list, list]:
+    """Encode ``prompts`` and split them into those that fit the context and those that do not.
+
+    A record fits when the runtime accepts it with at least one new token
+    (``decoder.check_request(prompt_tokens, 1)``); its generations are then capped at what
+    the context leaves (``min(max_new_tokens, context − prompt_tokens)``).
+
+    Args:
+        decoder: the :class:`lade_export.runtime.Decoder` that will run them.
+        tokenizer: its tokenizer; ``chat`` wraps prompts in the chat template.
+        prompts: :class:`lade_export.datasets.Prompt` objects.
+
+    Returns:
+        ``(kept, skipped)``: ``[(prompt, token_ids)]`` in order, and :class:`SkippedRecord` objects.
+    """
+    from .errors import GenerationError
+
+    kept, skipped = [], []
+    for prompt in prompts:
+        ids = tokenizer.encode_prompt(prompt.text, chat)
+        try:
+            decoder.check_request(len(ids), 1)
+        except GenerationError as err:
+            skipped.append(SkippedRecord(prompt.path or prompt.dataset, prompt.record, prompt.id, len(ids),
+                                         decoder.max_context, str(err)))
+            continue
+        kept.append((prompt, ids))
+    return kept, skipped
+
+
 def _pct(values, q):
     return float(np.percentile(values, q)) if values else 0.0
 
@@ -207,6 +261,10 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
                      f"{r['compression_median']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_baseline']:.2f}× | "
                      f"{r['p50_ms_per_token']:.1f} | {r['p90_ms_per_token']:.1f} | {host} | "
                      f"{'n/a' if r['exact'] is None else str(r['exact']) + '/' + str(r['prompts'])} |")
+    if meta.get("skipped"):
+        lines += ["", f"Skipped records (they do not fit the model's context; not in the table): {len(meta['skipped'])}",
+                  ""]
+        lines += [f"- {line}" for line in meta["skipped"]]
     return "\n".join(lines) + "\n"
 
 
@@ -238,9 +296,14 @@ def plot_summary(rows: list[dict], path: Path) -> None:
 
 
 def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: list, limit: int, max_new_tokens: int,
-                peers=(), peer_model=None, progress=None, sampling=None) -> list[RunRecord]:
+                peers=(), peer_model=None, progress=None, sampling=None
+                ) -> tuple[list[RunRecord], list[SkippedRecord]]:
     """Run the baseline (greedy, or plain sampling), every profile and every peer on each
     prompt, interleaved.
+
+    Records that do not fit the context are skipped (:func:`fit_prompts`) and returned
+    beside the runs; the others generate up to ``min(max_new_tokens, context − prompt)``
+    tokens.
 
     Args:
         decoder: a :class:`lade_export.runtime.Decoder` on the engine under test.
@@ -254,7 +317,8 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
             greedy); prompt ``i`` of the run samples with seed ``sampling.seed + i``.
 
     Returns:
-        every :class:`RunRecord`, in run order.
+        ``(records, skipped)``: every :class:`RunRecord` in run order, and the
+        :class:`SkippedRecord` of each record left out.
     """
     import dataclasses as dc
 
@@ -262,12 +326,15 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
 
     sampled = sampling is not None and not sampling.greedy
     baseline = SAMPLING if sampled else GREEDY
-    records = []
+    records, skipped = [], []
     stop_ids = sorted(decoder.stop_token_ids)
     index = 0
     for dataset in datasets:
-        for prompt in load_prompts(dataset, limit=limit, chat=chat):
-            ids = tokenizer.encode_prompt(prompt.text, chat)
+        kept, left_out = fit_prompts(decoder, tokenizer, load_prompts(dataset, limit=limit, chat=chat), chat)
+        skipped += left_out
+        if progress and left_out:
+            progress(len(left_out) * (1 + len(profiles) + len(peers)))
+        for prompt, ids in kept:
             budget = min(max_new_tokens, decoder.max_context - len(ids))
             params = dc.replace(sampling, seed=(sampling.seed or 0) + index) if sampled else None
             index += 1
@@ -298,4 +365,4 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
                 ref_ids = peer_greedy if reference == "transformers-greedy" else base.token_ids
                 record(peer, out["token_ids"], out["steps"], out["prefill_s"], out["decode_s"],
                        {}, None if sampled else out["token_ids"] == ref_ids, reference)
-    return records
+    return records, skipped

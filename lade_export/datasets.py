@@ -25,11 +25,14 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One workload prompt: its id, the user text, and the dataset it came from."""
+    """One workload prompt: its id, the user text, the dataset it came from, and where:
+    ``path`` (the file) and ``record`` (0-based index among the file's non-blank lines)."""
 
     id: str
     text: str
     dataset: str
+    path: str = ""
+    record: int = -1
 
 
 def datasets_root() -> Path:
@@ -49,9 +52,11 @@ def datasets_root() -> Path:
 
 
 def _records(path: Path):
+    """JSON records of a JSONL file (gzip-compressed when it ends in ``.gz``); a UTF-8
+    byte-order mark at the start (as some Windows editors write) is ignored."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
+        with opener(path, "rt", encoding="utf-8-sig") as fh:
             for number, line in enumerate(fh, 1):
                 if line.strip():
                     try:
@@ -104,5 +109,5 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
             raise GenerationError(f"{path} record {i}: no prompt, question or turns field")
         if not isinstance(text, str) or not text:
             raise GenerationError(f"{path} record {i}: the prompt must be a non-empty string")
-        prompts.append(Prompt(str(pid), text, label))
+        prompts.append(Prompt(str(pid), text, label, str(path), i))
     return prompts

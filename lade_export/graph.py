@@ -43,6 +43,7 @@ from .specs import (
     present_value_name,
     step_io_specs,
 )
+from .rope import plan_rope
 
 # Float32 parity bounds (ONNX Runtime vs PyTorch): max |Δlogit| and max |Δlogit| / max |logit|.
 PARITY_MAX_ABS = 1e-3
@@ -60,6 +61,14 @@ class DecoderStep(nn.Module):
     Args:
         hf_model: a transformers ``LlamaForCausalLM`` (float32, eval mode).
 
+    Attributes:
+        rope: the :class:`lade_export.rope.RopePlan` of the checkpoint's rotary embedding.
+        dims: :class:`ModelDims`, with ``max_context`` = ``rope.declared_context`` (the
+            context over which the graph is exact against transformers).
+
+    Raises:
+        ModelSourceError: a rope configuration the export refuses (:func:`lade_export.rope.plan_rope`).
+
     ``forward(input_ids, position_ids, attention_mask, logits_positions, *past)`` takes
     ``past`` as ``2·num_layers`` tensors (key, value per layer) and returns
     ``(logits, next_token_ids, *present)`` — shapes in the module docstring.
@@ -68,14 +77,20 @@ class DecoderStep(nn.Module):
     def __init__(self, hf_model):
         super().__init__()
         config = hf_model.config
-        self.dims = ModelDims.from_config(config)
+        self.rope = plan_rope(config)
+        # The declared context stops where transformers' rope starts to depend on the call (see lade_export.rope).
+        self.dims = dataclasses.replace(ModelDims.from_config(config), max_context=self.rope.declared_context)
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
         self.norm = inner.norm
         self.lm_head = hf_model.lm_head
         rotary = inner.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        # The frequencies as initialised: transformers overwrites ``inv_freq`` in place after a call past a
+        # longrope/dynamic threshold, while ``original_inv_freq`` keeps the values every shorter call uses.
+        inv_freq = getattr(rotary, "original_inv_freq", None)
+        inv_freq = rotary.inv_freq if inv_freq is None else inv_freq
+        self.register_buffer("inv_freq", inv_freq.detach().clone().float(), persistent=False)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.scale = 1.0 / math.sqrt(self.dims.head_dim)
 
@@ -103,7 +118,8 @@ class DecoderStep(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, logits_positions, *past):
         h = self.embed_tokens(input_ids)  # [b, step, hidden]
-        freqs = position_ids.unsqueeze(-1).to(self.inv_freq.dtype) * self.inv_freq  # [b, step, hd/2]
+        # Angles in float32 whatever the compute dtype (as transformers does): float16 holds integers only to 2048.
+        freqs = position_ids.unsqueeze(-1).float() * self.inv_freq.float()  # [b, step, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).unsqueeze(1).to(h.dtype)  # [b, 1, step, hd]
         sin = (emb.sin() * self.rope_scale).unsqueeze(1).to(h.dtype)
@@ -317,8 +333,11 @@ def reference_cases(step_module: DecoderStep, prompt_ids: list[int], profile=Non
 
 
 def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: list[int], profile=None,
-                 threads: int | None = None) -> list[ParityCase]:
+                 threads: int | None = None, engine=None) -> list[ParityCase]:
     """Compare ONNX Runtime against the PyTorch step on :func:`reference_cases`.
+
+    ``engine``: an already open :class:`~lade_export.backends.onnxruntime.OrtEngine` on
+    ``onnx_path`` (saves a session creation, seconds for a large graph).
 
     Returns:
         one :class:`ParityCase` per shape (max abs logits difference, max |logit|,
@@ -326,7 +345,7 @@ def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: li
     """
     from .backends.onnxruntime import OrtEngine
 
-    engine = OrtEngine(onnx_path, step_module.dims, threads=threads)
+    engine = engine or OrtEngine(onnx_path, step_module.dims, threads=threads)
     results = []
     for label, feeds in reference_cases(step_module, prompt_ids, profile):
         ref = run_torch_step(step_module, feeds)
@@ -348,3 +367,92 @@ def compare_outputs(label: str, feeds: dict, ref: dict, got: dict) -> ParityCase
         argmax_equal=bool(np.array_equal(ref["logits"].argmax(-1), got["logits"].argmax(-1))),
         kv_max_abs=kv,
     )
+
+
+@dataclasses.dataclass
+class ReferenceCase:
+    """One comparison of the ONNX graph with transformers' own model.
+
+    Attributes:
+        label: ``prefill`` (the graph's prefill of ``tokens`` tokens, every row, against
+            transformers on those tokens) or ``decode`` (a prefill of ``tokens − 1``
+            tokens, then one step at position ``tokens − 1`` on its cache, against
+            transformers' last position on ``tokens`` tokens).
+        tokens: sequence length transformers ran, in one call.
+        step, past: the graph's step and cache lengths.
+        rows: positions compared.
+        max_abs: max |Δlogit| over those rows.
+        max_logit: max |logit| of transformers over those rows.
+        argmax_equal: whether the argmax agrees at every row.
+    """
+
+    label: str
+    tokens: int
+    step: int
+    past: int
+    rows: int
+    max_abs: float
+    max_logit: float
+    argmax_equal: bool
+
+    def ok(self, max_abs: float = PARITY_MAX_ABS) -> bool:
+        """Within the project's parity bound: max |Δlogit| ≤ ``max_abs`` and argmax identical."""
+        return self.max_abs <= max_abs and self.argmax_equal
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _reference_case(label, tokens, step, past, ref: np.ndarray, got: np.ndarray) -> ReferenceCase:
+    return ReferenceCase(label, tokens, step, past, int(ref.shape[0]), float(np.max(np.abs(ref - got))),
+                         float(np.max(np.abs(ref))), bool(np.array_equal(ref.argmax(-1), got.argmax(-1))))
+
+
+def check_against_transformers(hf_model, onnx_path: str | Path, dims: ModelDims, token_ids, lengths,
+                               threads: int | None = None, engine=None) -> list[ReferenceCase]:
+    """Compare the exported graph (ONNX Runtime) with transformers' model itself.
+
+    For each length ``L`` of ``lengths``, transformers runs ``token_ids[:L]`` in one call
+    from nothing (no cache), as a user's ``model(input_ids)`` or the prefill of
+    ``generate`` does, so position-dependent rope variants pick their frequencies from
+    that call. Against its logits: the graph's prefill of the ``L`` tokens (every
+    position), and the graph's prefill of ``L − 1`` tokens followed by one decode step
+    (token ``L − 1`` at position ``L − 1`` on that cache, the last position).
+
+    Args:
+        hf_model: the transformers causal LM the graph was exported from (float32, eval).
+        onnx_path: the exported graph.
+        dims: its :class:`ModelDims`.
+        token_ids: at least ``max(lengths)`` token ids.
+        lengths: sequence lengths, each in ``2 … dims.max_context``.
+        threads: ONNX Runtime threads.
+        engine: an already open ``OrtEngine`` on ``onnx_path`` (else one is opened).
+
+    Returns:
+        two :class:`ReferenceCase` per length (``prefill``, ``decode``), in length order.
+
+    Raises:
+        ValueError: ``token_ids`` too short or a length outside ``2 … dims.max_context``.
+    """
+    from .backends.onnxruntime import OrtEngine
+
+    ids = np.asarray(token_ids, dtype=np.int64)
+    lengths = sorted(lengths)
+    if lengths and (len(ids) < lengths[-1] or lengths[0] < 2 or lengths[-1] > dims.max_context):
+        raise ValueError(f"lengths {lengths} need 2 ≤ L ≤ {dims.max_context} and {lengths[-1]} tokens")
+    engine = engine or OrtEngine(onnx_path, dims, threads=threads)
+    empty = empty_past_feeds(dims)
+    cases = []
+    for n in lengths:
+        with torch.inference_mode():
+            ref = hf_model(torch.from_numpy(ids[None, :n])).logits[0].float().numpy()  # [n, vocab]
+        out = engine.run({**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty}, with_logits=True)
+        cases.append(_reference_case("prefill", n, n, 0, ref, out["logits"][0]))
+        head = engine.run({**causal_feeds(ids[: n - 1], 0), **empty})
+        past = {}
+        for i in range(dims.num_layers):
+            past[past_key_name(i)] = head[present_key_name(i)]
+            past[past_value_name(i)] = head[present_value_name(i)]
+        nxt = engine.run({**causal_feeds(ids[n - 1 : n], n - 1), **past}, with_logits=True)
+        cases.append(_reference_case("decode", n, 1, n - 1, ref[-1:], nxt["logits"][0]))
+    return cases

@@ -108,6 +108,22 @@ def check_model_type(config: dict, where: str) -> None:
         )
 
 
+def check_rope_type(config: dict, where: str) -> None:
+    """Raise :class:`ModelSourceError` when the raw config names a rope type the export does
+    not handle (transformers would otherwise fail while building the model, with only the
+    type's name as its message)."""
+    from .rope import SUPPORTED_ROPE_TYPES
+
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        return
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelSourceError(
+            f"{where}: rope type {rope_type!r} is not supported; lade-export exports rope types "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
 def _stop_ids(model, tokenizer) -> list[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
@@ -168,6 +184,7 @@ def _load_hf_dir(path: Path):
     except (OSError, json.JSONDecodeError) as err:
         raise ModelSourceError(f"{path / 'config.json'}: unreadable config: {err}") from None
     check_model_type(config, str(path / "config.json"))
+    check_rope_type(config, str(path / "config.json"))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -212,6 +229,7 @@ def _load_hub(repo_id: str):
             "check the id and your network, or pass a local model directory or .gguf file"
         ) from None
     check_model_type(config.to_dict(), repo_id)
+    check_rope_type(config.to_dict(), repo_id)
     model = AutoModelForCausalLM.from_pretrained(repo_id, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(repo_id)
     return model, tokenizer

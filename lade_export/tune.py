@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .errors import CheckFailedError, ProfileError
+from .errors import CheckFailedError, GenerationError, ProfileError
 from .profile import LookaheadProfile
 
 GRIDS = {
@@ -118,6 +118,7 @@ class TuneResult:
     held_out: Trial
     chosen: LookaheadProfile
     name: str = "tuned"
+    skipped: list = dataclasses.field(default_factory=list)
 
     def toml(self, dataset: str, env: dict) -> str:
         """The chosen profile as TOML, with the measurements as comments."""
@@ -135,6 +136,9 @@ class TuneResult:
                       f"speedup {h.speedup:.2f}x over {h.new_tokens} tokens"]
         if not self.chosen.enabled:
             lines.append("no profile beat greedy on this machine: this file is the greedy setting")
+        if self.skipped:
+            lines += ["", f"{len(self.skipped)} record(s) left out (they do not fit the model's context):"]
+            lines += [f"  {line}" for line in self.skipped]
         chosen = dataclasses.replace(self.chosen, name=self.name)
         return chosen.to_toml(description=f"tuned for {dataset}", comments="\n".join(lines))
 
@@ -151,12 +155,20 @@ def tune(decoder, prompts_ids: list, profiles: list, max_new_tokens: int, progre
 
     Raises:
         ProfileError: fewer than 2 prompts or an empty grid.
+        GenerationError: a prompt leaves no room for a new token in the context (the
+            runtime's check, naming the prompt's index; the CLI leaves such records out
+            beforehand with :func:`lade_export.compare.fit_prompts`).
         CheckFailedError: a profile's output differs from greedy.
     """
     if len(prompts_ids) < 2:
         raise ProfileError("tune needs at least 2 prompts (a sample and a held-out part); raise --limit")
     if not profiles:
         raise ProfileError("tune needs at least one candidate profile")
+    for i, ids in enumerate(prompts_ids):
+        try:
+            decoder.check_request(len(ids), 1)
+        except GenerationError as err:
+            raise GenerationError(f"tuning prompt {i} does not fit the context: {err}") from None
     half = (len(prompts_ids) + 1) // 2
     sample, held = prompts_ids[:half], prompts_ids[half:]
     costs = measure_step_costs(decoder.engine)

@@ -87,3 +87,49 @@ def mt_bench_prompts(n: int) -> list[str]:
 def humaneval_prompts(n: int) -> list[str]:
     with gzip.open(DATASETS / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
         return [json.loads(line)["prompt"] for line, _ in zip(fh, range(n))]
+
+
+def tiny_checkpoint(folder: Path, rope: dict | None = None, max_position_embeddings: int = 256, legacy_rope=False,
+                    seed: int = 0, save_dtype=None, **config) -> Path:
+    """Save a tiny random LLaMA checkpoint (3 layers, vocab 512, head_dim 16, GQA 4/2) with
+    transformers itself, beside stories260K's tokenizer files, and return its folder.
+
+    Weights are drawn with ``initializer_range`` 0.2 (logits of a few units, so a rope
+    mismatch shows as a large logit difference); biases and norm weights, which
+    transformers initialises to 0 and 1, are drawn too, so a field that only they carry
+    (``attention_bias``, ``mlp_bias``, ``rms_norm_eps``) changes the logits. ``config``
+    overrides ``LlamaConfig`` fields; ``save_dtype`` (e.g. ``torch.bfloat16``) stores the
+    weights in that dtype. ``legacy_rope`` writes the config the way transformers 4 did
+    (``rope_scaling`` with ``type``, ``rope_theta`` at the top).
+    """
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    settings.update(config)
+    cfg = LlamaConfig(max_position_embeddings=max_position_embeddings,
+                      rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}, **settings)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, folder / name)
+    if legacy_rope:
+        data = json.loads((folder / "config.json").read_text())
+        params = data.pop("rope_parameters")
+        data["rope_theta"] = params.pop("rope_theta")
+        params["type"] = params.pop("rope_type")
+        data["rope_scaling"] = params
+        (folder / "config.json").write_text(json.dumps(data, indent=2))
+    return folder

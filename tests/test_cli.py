@@ -95,3 +95,32 @@ def test_generate_on_missing_artifact(tmp_path):
     proc = run_cli("generate", tmp_path, "--prompt", "hi")
     assert proc.returncode == 2
     assert one_line_error(proc) == f"error: {tmp_path} has no manifest.json: not a lade-export build (run lade-export build)"
+
+
+def test_prompt_file_with_a_byte_order_mark_gives_the_same_tokens(tmp_path, stories_artifact, reference_greedy):
+    """A UTF-8 BOM (as some Windows editors save) is not prompt text: same prefill, same output."""
+    from click.testing import CliRunner
+
+    from lade_export.cli import main
+
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("Once upon a time", encoding="utf-8")
+    marked.write_text("Once upon a time", encoding="utf-8-sig")
+    assert marked.read_bytes()[:3] == b"\xef\xbb\xbf"
+    runs = [CliRunner().invoke(main, ["generate", str(stories_artifact), "--prompt-file", str(f), "--max-new-tokens",
+                                      "20", "--greedy"]) for f in (plain, marked)]
+    assert [r.exit_code for r in runs] == [0, 0]
+    assert runs[1].stdout == runs[0].stdout == expected_text(reference_greedy, 20) + "\n"
+    assert "(prefill 5 tokens in" in runs[1].stderr  # BOS + 4, not 3 more for the mark
+
+
+def test_prompt_file_not_utf8_names_the_byte_after_a_byte_order_mark(tmp_path, stories_artifact):
+    from click.testing import CliRunner
+
+    from lade_export.cli import main
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xef\xbb\xbfcaf\xe9")
+    result = CliRunner().invoke(main, ["generate", str(stories_artifact), "--prompt-file", str(bad)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: prompt file {bad} is not UTF-8 text (byte 6)"

@@ -117,3 +117,74 @@ def test_greedy_setting_decodes_like_greedy(stories_decoder, reference_greedy):
     result = stories_decoder.generate(case["prompt_ids"], 32, off)
     assert result.token_ids == case["greedy_ids"][:32]
     assert result.stats.steps == 32
+
+
+def _with_long_records(tmp_path, name="mixed.jsonl", bom=False):
+    """Six short records with two that do not fit stories260K's 512-token context between them:
+    record 1 has 600 prompt tokens, record 3 exactly 512 (no room for a new token)."""
+    texts = ["Once upon a time", "dog " * 299, "The little dog", "dog " * 255, "One day, a girl named Lily",
+             "The sun was shining", "Ben had a red ball"]
+    f = tmp_path / name
+    f.write_text(("\ufeff" if bom else "") + "".join(json.dumps({"prompt": t, "id": f"r{i}"}) + "\n"
+                                                     for i, t in enumerate(texts)), encoding="utf-8")
+    return f
+
+
+def test_compare_skips_records_that_do_not_fit_and_says_so(tmp_path, stories_artifact):
+    data = _with_long_records(tmp_path)
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset", str(data),
+                                       "--limit", "5", "--max-new-tokens", "8", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    skip_lines = [
+        f"skipped {data} record 1 (id r1), it does not fit the context: prompt (600 tokens) + max_new_tokens (1) = "
+        "601 exceeds the model's context of 512 tokens",
+        f"skipped {data} record 3 (id r3), it does not fit the context: prompt (512 tokens) + max_new_tokens (1) = "
+        "513 exceeds the model's context of 512 tokens",
+    ]
+    assert [line for line in result.stderr.splitlines() if line.startswith("skipped")] == skip_lines
+    assert result.stdout.strip().endswith("(2 record(s) skipped: they do not fit the context)")
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["prompt_id"] for r in records}) == ["r0", "r2", "r4"]
+    assert all(r["exact"] and r["new_tokens"] == 8 for r in records)
+    md = (out / "summary.md").read_text()
+    assert "Skipped records (they do not fit the model's context; not in the table): 2" in md
+    assert all(f"- {line}" in md for line in skip_lines)
+    assert "| mixed | small | 3 |" in md
+
+
+def test_tune_skips_records_that_do_not_fit_and_records_them(tmp_path, stories_artifact):
+    data = _with_long_records(tmp_path, bom=True)  # and a byte-order mark, as a Windows editor writes it
+    out = tmp_path / "tuned.toml"
+    result = CliRunner().invoke(main, ["tune", str(stories_artifact), "--dataset", str(data), "--limit", "7",
+                                       "--max-new-tokens", "8", "--grid", "tiny", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [line.split(",")[0] for line in result.stderr.splitlines() if line.startswith("skipped")] == [
+        f"skipped {data} record 1 (id r1)", f"skipped {data} record 3 (id r3)"]
+    text = out.read_text()
+    assert "# 2 record(s) left out (they do not fit the model's context):" in text
+    assert f"#   skipped {data} record 1 (id r1), it does not fit the context: prompt (600 tokens)" in text
+    assert "(records 0..6, 8 new tokens)" in text
+    load_profile(out)
+
+
+def test_tune_api_names_a_prompt_that_does_not_fit(stories_decoder):
+    import pytest
+
+    from lade_export.errors import GenerationError
+    from lade_export.tune import grid_profiles, tune
+
+    with pytest.raises(GenerationError, match=r"^tuning prompt 1 does not fit the context: prompt \(512 tokens\) \+ "
+                                              r"max_new_tokens \(1\) = 513 exceeds the model's context of 512 tokens$"):
+        tune(stories_decoder, [[1, 2, 3], [1] * 512, [1, 5]], grid_profiles("tiny"), 4)
+
+
+def test_jsonl_dataset_with_a_byte_order_mark_reads_like_without(tmp_path):
+    from lade_export.datasets import load_prompts
+
+    plain = _with_long_records(tmp_path, "plain.jsonl")
+    marked = _with_long_records(tmp_path, "marked.jsonl", bom=True)
+    assert marked.read_bytes()[:3] == b"\xef\xbb\xbf"
+    assert [(p.id, p.text, p.record) for p in load_prompts(str(marked))] == \
+        [(p.id, p.text, p.record) for p in load_prompts(str(plain))]
+    assert load_prompts(str(marked))[0].text == "Once upon a time"

@@ -126,6 +126,17 @@ def _non_utf8(tmp):
     return f
 
 
+def _stories_with_rope(tmp, stories_dir, rope):
+    d = tmp / "roped"
+    shutil.copytree(stories_dir, d)
+    os.chmod(d, 0o755)
+    config = json.loads((d / "config.json").read_text())
+    config["rope_parameters"] = rope
+    os.chmod(d / "config.json", 0o644)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
 # (id, builder(tmp, stories_dir, artifact) -> argv, exit code, message substring)
 CASES = [
     ("model-missing-path", lambda t, s, a: ["build", "--model", "/nonexistent/model", "--out", t / "o"], 2,
@@ -140,6 +151,15 @@ CASES = [
      "is not a GGUF file"),
     ("model-hub-offline", lambda t, s, a: ["build", "--model", "org/name", "--out", t / "o"], 2,
      "cannot reach the Hugging Face hub to fetch 'org/name'"),
+    ("model-rope-unsupported", lambda t, s, a: ["build", "--model", _model_dir(t, {"model_type": "llama", "rope_parameters": {
+        "rope_type": "foo", "rope_theta": 10000.0}}), "--out", t / "o"], 2,
+     "config.json: rope type 'foo' is not supported; lade-export exports rope types default, linear, yarn, llama3, "
+     "proportional, longrope, dynamic"),
+    ("build-rope-partial", lambda t, s, a: ["build", "--model", _stories_with_rope(t, s, {
+        "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5, "rope_theta": 10000.0}), "--out", t / "o"], 2,
+     "rope type 'linear' with partial_rotary_factor 0.5: transformers' LLaMA rotates the whole head and cannot run this "
+     "configuration, so there is no reference to export against (remove partial_rotary_factor or use rope type "
+     "'proportional')"),
     ("model-truncated-gguf", lambda t, s, a: ["build", "--model", _half_gguf(t, s), "--out", t / "o"], 2,
      "cannot read GGUF half.gguf (truncated or corrupt?)"),
     ("profile-missing", lambda t, s, a: ["build", "--model", s, "--profile", t / "none.toml", "--out", t / "o"], 2,
@@ -197,6 +217,9 @@ CASES = [
      "--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0"),
     ("generate-bad-top-p", lambda t, s, a: ["generate", a, "--prompt", "hi", "--temperature", 1, "--top-p", 0], 2,
      "top_p must be in (0, 1], got 0.0"),
+    ("compare-no-record-fits", lambda t, s, a: ["compare", a, "--dataset", _jsonl(t, json.dumps({"prompt": "dog " * 299})),
+                                                 "--limit", 1, "--out", t / "o"], 2,
+     "none of the 1 record(s) fits the model's context of 512 tokens (the first, "),
     ("cli-usage", lambda t, s, a: ["generate", a, "--max-new-tokens", "abc"], 2,
      "Invalid value for '--max-new-tokens': 'abc' is not a valid integer. (see: lade-export generate --help)"),
     ("artifact-missing-dir", lambda t, s, a: ["generate", t / "nothing", "--prompt", "hi"], 2,
@@ -242,7 +265,8 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
 def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
     ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
-                                   "build-interrupted", "build-concurrent"} | set(TENSORRT_ROWS)
+                                   "build-interrupted", "build-concurrent", "build-rope-capped",
+                                   "build-parity-transformers", "prompt-file-bom", "compare-record-too-long"} | set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids
 
