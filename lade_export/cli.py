@@ -537,9 +537,9 @@ def inspect(artifact_dir, as_json):
     for kind, s in shown:
         io.add_row(kind, s["name"], escape("[" + ", ".join(map(str, s["shape"])) + "]"), s["dtype"])
     io.add_row("in", f"past_key_values.{{0..{d['num_layers'] - 1}}}.key/.value",
-               escape(f"[batch, {d['kv_heads']}, past, {d['head_dim']}]"), "float32")
+               escape(f"[batch, past, {d['kv_heads']}, {d['head_dim']}]"), "float32")
     io.add_row("out", f"present.{{0..{d['num_layers'] - 1}}}.key/.value",
-               escape(f"[batch, {d['kv_heads']}, step, {d['head_dim']}]"), "float32")
+               escape(f"[batch, step, {d['kv_heads']}, {d['head_dim']}]"), "float32")
     console.print(io)
     console.print(escape(f"mask: {m['graph']['mask']}"))
     par = Table(title="parity (ONNX Runtime vs PyTorch)")

@@ -36,8 +36,8 @@ def causal_feeds(token_ids, past_len: int, logit_rows=None) -> dict:
 
 
 def empty_past_feeds(dims: ModelDims) -> dict:
-    """``past_key_values.*`` feeds of an empty cache: float32 [1, kv_heads, 0, head_dim] each."""
-    empty = np.zeros((1, dims.kv_heads, 0, dims.head_dim), np.float32)
+    """``past_key_values.*`` feeds of an empty cache: float32 [1, 0, kv_heads, head_dim] each."""
+    empty = np.zeros((1, 0, dims.kv_heads, dims.head_dim), np.float32)
     return {n: empty for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))}
 
 
@@ -46,12 +46,12 @@ def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: i
     a causal mask, logits at every row, and a random float cache (fixed ``seed``).
 
     Returns:
-        numpy arrays keyed by input name; the cache is ``dtype`` [batch, kv_heads, past, head_dim].
+        numpy arrays keyed by input name; the cache is ``dtype`` [batch, past, kv_heads, head_dim].
     """
     rng = np.random.default_rng(seed)
     one = causal_feeds(rng.integers(0, dims.vocab, size=step), past, logit_rows=np.arange(step))
     feeds = {name: np.repeat(value, batch, axis=0) for name, value in one.items()}
     for i in range(dims.num_layers):
         for name in (past_key_name(i), past_value_name(i)):
-            feeds[name] = rng.standard_normal((batch, dims.kv_heads, past, dims.head_dim)).astype(dtype)
+            feeds[name] = rng.standard_normal((batch, past, dims.kv_heads, dims.head_dim)).astype(dtype)
     return feeds

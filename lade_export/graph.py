@@ -7,13 +7,19 @@ the inputs lookahead decoding needs (see :mod:`lade_export.specs` for the contra
     position_ids     int64 [batch, step]            RoPE positions, need not be contiguous
     attention_mask   bool  [batch, 1, step, past+step]  True = may attend
     logits_positions int64 [batch, n_logits]         rows of the step whose logits are read
-    past_key_values.{i}.key/.value  float [batch, kv_heads, past, head_dim]
+    past_key_values.{i}.key/.value  float [batch, past, kv_heads, head_dim]
 
 and the outputs
 
     logits           float [batch, n_logits, vocab]
     next_token_ids   int64 [batch, n_logits]         argmax of logits
-    present.{i}.key/.value  float [batch, kv_heads, step, head_dim]   this step only
+    present.{i}.key/.value  float [batch, step, kv_heads, head_dim]   this step only
+
+The cache is sequence-major ([batch, seq, kv_heads, head_dim]): the runtime keeps one
+buffer per tensor and feeds the filled prefix ``buffer[:, :past]``, which is contiguous,
+so no step copies the context on the host. Attention reads the cache and this step's
+keys/values as two blocks (scores over ``[past | step]`` concatenated, the value
+products summed), so the graph never concatenates the cache either.
 
 It reuses the checkpoint's own modules (embedding, RMSNorm, projections, MLP, LM head,
 rotary inverse frequencies), so weights are shared, tied embeddings stay tied and the
@@ -98,21 +104,23 @@ class DecoderStep(nn.Module):
         d = self.dims
         b, s, _ = h.shape
         attn = layer.self_attn
-        q = attn.q_proj(h).view(b, s, d.heads, d.head_dim).transpose(1, 2)  # [b, heads, step, hd]
-        k = attn.k_proj(h).view(b, s, d.kv_heads, d.head_dim).transpose(1, 2)  # [b, kv, step, hd]
-        v = attn.v_proj(h).view(b, s, d.kv_heads, d.head_dim).transpose(1, 2)  # [b, kv, step, hd]
-        q = q * cos + _rotate_half(q) * sin
+        q = attn.q_proj(h).view(b, s, d.heads, d.head_dim)  # [b, step, heads, hd]
+        k = attn.k_proj(h).view(b, s, d.kv_heads, d.head_dim)  # [b, step, kv, hd]
+        v = attn.v_proj(h).view(b, s, d.kv_heads, d.head_dim)  # [b, step, kv, hd]
+        q = q * cos + _rotate_half(q) * sin  # cos, sin [b, step, 1, hd]
         k = k * cos + _rotate_half(k) * sin
-        keys = torch.cat([past_k, k], dim=2)  # [b, kv, past+step, hd]
-        values = torch.cat([past_v, v], dim=2)
         group = d.heads // d.kv_heads
         # Grouped-query attention: query head j reads kv head j // group.
-        q = q.reshape(b, d.kv_heads, group * s, d.head_dim)  # [b, kv, group*step, hd]
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [b, kv, group*step, total]
+        q = q.transpose(1, 2).reshape(b, d.kv_heads, group * s, d.head_dim)  # [b, kv, group*step, hd]
+        # Scores against the cache and against this step, side by side: [b, kv, group*step, past+step].
+        scores = torch.cat([torch.matmul(q, past_k.permute(0, 2, 3, 1)),  # cache [b, past, kv, hd] -> [b, kv, hd, past]
+                            torch.matmul(q, k.permute(0, 2, 3, 1))], dim=-1) * self.scale
         scores = scores.view(b, d.kv_heads, group, s, -1)
         scores = scores.masked_fill(~mask.unsqueeze(1), torch.finfo(scores.dtype).min)  # mask [b,1,1,step,total]
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs.view(b, d.kv_heads, group * s, -1), values)  # [b, kv, group*step, hd]
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(b, d.kv_heads, group * s, -1)
+        past_len = past_k.shape[1]
+        out = (torch.matmul(probs[..., :past_len], past_v.transpose(1, 2))  # [b, kv, group*step, hd]
+               + torch.matmul(probs[..., past_len:], v.transpose(1, 2)))
         out = out.view(b, d.heads, s, d.head_dim).transpose(1, 2).reshape(b, s, d.heads * d.head_dim)
         return attn.o_proj(out), k, v
 
@@ -121,8 +129,8 @@ class DecoderStep(nn.Module):
         # Angles in float32 whatever the compute dtype (as transformers does): float16 holds integers only to 2048.
         freqs = position_ids.unsqueeze(-1).float() * self.inv_freq.float()  # [b, step, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).unsqueeze(1).to(h.dtype)  # [b, 1, step, hd]
-        sin = (emb.sin() * self.rope_scale).unsqueeze(1).to(h.dtype)
+        cos = (emb.cos() * self.rope_scale).unsqueeze(2).to(h.dtype)  # [b, step, 1, hd]
+        sin = (emb.sin() * self.rope_scale).unsqueeze(2).to(h.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
             a, k, v = self._attention(
@@ -361,7 +369,7 @@ def compare_outputs(label: str, feeds: dict, ref: dict, got: dict) -> ParityCase
     return ParityCase(
         label=label,
         step=feeds["input_ids"].shape[1],
-        past=feeds[past_key_name(0)].shape[2],
+        past=feeds[past_key_name(0)].shape[1],
         max_abs=diff,
         max_logit=float(np.max(np.abs(ref["logits"]))),
         argmax_equal=bool(np.array_equal(ref["logits"].argmax(-1), got["logits"].argmax(-1))),

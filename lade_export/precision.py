@@ -34,9 +34,9 @@ class ReducedPrecisionStep(nn.Module):
         dtype: ``"float16"`` or ``"bfloat16"``.
 
     ``forward`` takes and returns what ``DecoderStep.forward`` does: the
-    ``past_key_values`` float32 [batch, kv_heads, past, head_dim] are cast to ``dtype``;
+    ``past_key_values`` float32 [batch, past, kv_heads, head_dim] are cast to ``dtype``;
     ``logits`` float32 [batch, n_logits, vocab], ``next_token_ids`` int64 and the
-    ``present`` float32 [batch, kv_heads, step, head_dim] come back.
+    ``present`` float32 [batch, step, kv_heads, head_dim] come back.
     """
 
     def __init__(self, step, dtype: str):

@@ -248,7 +248,8 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
         return load_profile(bundled)
     parts = text.split(",")
     if len(parts) in (3, 4, 5) and all(p.strip().lstrip("-").isdigit() for p in parts):
-        w, n, g, k, b = ([int(p) for p in parts] + [0, 1])[:5]
+        values = [int(p) for p in parts]
+        w, n, g, k, b = values + [0, 1][len(values) - 3:]
         name = f"w{w}n{n}g{g}" + (f"k{k}" if len(parts) >= 4 else "") + (f"b{b}" if len(parts) == 5 else "")
         return LookaheadProfile(w, n, g, name=name, lookup=k, lookup_branches=b)
     raise ProfileError(f"profile file not found: {text} (give a TOML path, a shipped name ({', '.join(bundled_profile_names())}), "

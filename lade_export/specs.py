@@ -141,7 +141,8 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     for i in range(num_layers):
         for name in (past_key_name(i), past_value_name(i)):
             inputs.append(
-                TensorSpec(name, ("batch", kv_heads, "past", head_dim), float_dtype, f"layer {i} cached keys/values (RoPE applied)")
+                TensorSpec(name, ("batch", "past", kv_heads, head_dim), float_dtype,
+                           f"layer {i} cached keys/values, sequence-major (RoPE applied to keys)")
             )
     outputs = [
         TensorSpec("logits", ("batch", "n_logits", vocab), float_dtype, "next-token logits at logits_positions"),
@@ -150,7 +151,8 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     for i in range(num_layers):
         for name in (present_key_name(i), present_value_name(i)):
             outputs.append(
-                TensorSpec(name, ("batch", kv_heads, "step", head_dim), float_dtype, f"layer {i} keys/values of this step only")
+                TensorSpec(name, ("batch", "step", kv_heads, head_dim), float_dtype,
+                           f"layer {i} keys/values of this step only, sequence-major")
             )
     return inputs, outputs
 

@@ -20,10 +20,10 @@ def test_io_names_and_symbolic_shapes(stories_artifact):
     outs = {o.name: [_dim(d) for d in o.type.tensor_type.shape.dim] for o in m.graph.output}
     assert ins["input_ids"] == ["batch", "step"]
     assert ins["attention_mask"] == ["batch", 1, "step", "past+step"]
-    assert ins["past_key_values.4.value"] == ["batch", 4, "past", 8]
+    assert ins["past_key_values.4.value"] == ["batch", "past", 4, 8]
     assert "past_key_values.5.key" not in ins
     assert outs["logits"] == ["batch", "n_logits", 512]
-    assert outs["present.0.key"] == ["batch", 4, "step", 8]
+    assert outs["present.0.key"] == ["batch", "step", 4, 8]
     assert m.graph.input[2].type.tensor_type.elem_type == onnx.TensorProto.BOOL
 
 

@@ -148,3 +148,35 @@ def test_text_is_decoded(stories_decoder, reference_greedy):
     case = reference_greedy["cases"][0]
     result = stories_decoder.generate(case["prompt_ids"], 24, resolve_profile("default"))
     assert result.text.startswith(", there was a little girl named Lily.")
+
+
+def test_the_kv_cache_is_never_copied_per_step(stories_artifact, reference_greedy):
+    """Every step hands the engine views of the same preallocated buffers (one address per
+    layer, growing length), and ONNX Runtime's engine passes them on as they are."""
+    import numpy as np
+
+    from lade_export.artifact import Artifact
+    from lade_export.backends.onnxruntime import OrtEngine
+    from lade_export.runtime import Decoder
+
+    art = Artifact(stories_artifact)
+    engine = OrtEngine(art.onnx_path, art.dims)
+    seen = []
+    real_run = engine.session.run
+
+    def spy_session_run(names, feeds):
+        key = feeds["past_key_values.0.key"]
+        seen.append((key.__array_interface__["data"][0], key.shape[1], key.flags.owndata, key.flags.c_contiguous))
+        return real_run(names, feeds)
+
+    engine.session = type("Spy", (), {"run": staticmethod(spy_session_run), "get_outputs": engine.session.get_outputs})()
+    case = reference_greedy["cases"][0]
+    result = Decoder(engine, [], 512).generate(case["prompt_ids"], 64, resolve_profile("default"))
+    assert result.token_ids == case["greedy_ids"][:64]
+    steps = seen[1:]  # after the prefill (an empty cache)
+    assert len(steps) == result.stats.steps and len(steps) > 10
+    assert len({address for address, *_ in steps}) == 1  # one buffer, never reallocated or copied
+    assert all(not owns and contiguous for _, _, owns, contiguous in steps)  # views, contiguous
+    lengths = [n for _, n, _, _ in steps]  # the cache grows by the accepted tokens, step after step
+    assert lengths[0] == len(case["prompt_ids"]) - 1 and np.all(np.diff(lengths) >= 1)
+    assert lengths[-1] < len(case["prompt_ids"]) + 64 - 1

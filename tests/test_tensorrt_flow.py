@@ -36,17 +36,17 @@ def test_decode_profile_step_is_one_plus_window_and_guesses_times_levels(profile
     assert dec["logits_positions"] == {"min": [1, 1], "opt": [1, rows], "max": [4, rows]}
     assert dec["attention_mask"] == {"min": [1, 1, 1, 1], "opt": [1, 1, step, 1024 + step],
                                      "max": [4, 1, step, 2047 + step]}
-    assert dec["past_key_values.29.value"] == {"min": [1, 3, 0, 64], "opt": [1, 3, 1024, 64], "max": [4, 3, 2047, 64]}
+    assert dec["past_key_values.29.value"] == {"min": [1, 0, 3, 64], "opt": [1, 1024, 3, 64], "max": [4, 2047, 3, 64]}
     assert pre["input_ids"] == {"min": [1, 1], "opt": [1, 1024], "max": [4, 1024]}
     assert pre["attention_mask"] == {"min": [1, 1, 1, 1], "opt": [1, 1, 1024, 1024], "max": [4, 1, 1024, 1024]}
-    assert pre["past_key_values.0.key"] == {"min": [1, 3, 0, 64], "opt": [1, 3, 0, 64], "max": [4, 3, 0, 64]}
+    assert pre["past_key_values.0.key"] == {"min": [1, 0, 3, 64], "opt": [1, 0, 3, 64], "max": [4, 0, 3, 64]}
     assert len(dec) == 4 + 2 * 30
 
 
 def test_defaults_use_the_model_context_and_half_of_it_for_prompts():
     shapes = optimization_profiles(resolve_profile("default"), STORIES)
     assert shapes["prefill"]["input_ids"]["max"] == [1, 256]
-    assert shapes["decode"]["past_key_values.0.key"]["max"] == [1, 4, 511, 8]
+    assert shapes["decode"]["past_key_values.0.key"]["max"] == [1, 511, 4, 8]
     assert shapes["decode"]["attention_mask"]["max"] == [1, 1, 31, 542]
 
 
@@ -84,7 +84,7 @@ def test_dry_run_prints_two_engines_and_writes_nothing(tmp_path, stories_dir):
     assert text.count("optimization profile 0 (prefill):") == 2
     assert text.count("optimization profile 1 (decode):") == 2
     assert "input_ids                            min [1, 1]  opt [1, 57]  max [1, 57]" in text
-    assert "past_key_values.{0..4}.key/.value    min [1, 4, 0, 8]  opt [1, 4, 256, 8]  max [1, 4, 511, 8]" in text
+    assert "past_key_values.{0..4}.key/.value    min [1, 0, 4, 8]  opt [1, 256, 4, 8]  max [1, 511, 4, 8]" in text
     assert "nothing was written" in text
     assert os.listdir(tmp_path) == []
 

@@ -588,7 +588,7 @@ def _add_runtime(m, state: TrtState, kind: str) -> None:
                     feeds[name] = region.view(dtype).reshape(shape).copy()
             state.executions.append({"decode_max_step": eng.meta["profiles"][-1]["input_ids"][2][1],
                                      "profile": self._profile, "step": feeds["input_ids"].shape[1],
-                                     "past": feeds["past_key_values.0.key"].shape[2]})
+                                     "past": feeds["past_key_values.0.key"].shape[1]})
             if getattr(state, "fail_execute", False):
                 return "injected failure"
             try:

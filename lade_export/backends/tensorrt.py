@@ -335,7 +335,7 @@ class _Plan:
         decode = self.shapes["decode"]
         self.decode_step = decode["input_ids"]["max"][1]
         self.decode_rows = decode["logits_positions"]["max"][1]
-        self.max_past = decode["past_key_values.0.key"]["max"][2]
+        self.max_past = decode["past_key_values.0.key"]["max"][1]
         self.max_prompt = self.shapes["prefill"]["input_ids"]["max"][1]
         self.engine = None
         self.contexts: dict[int, object] = {}
@@ -506,7 +506,7 @@ class TensorRTEngine:
         prefill profile first for an empty cache, else the decode profile.
         """
         shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
-        past = shapes.get("past_key_values.0.key", (0, 0, 0))[2]
+        past = shapes.get("past_key_values.0.key", (0, 0, 0))[1]
         plans = sorted(self.plans, key=lambda p: (p.engine is None, p is not self._hint, p.decode_step))
         for plan in plans:
             order = range(len(plan.phases)) if past == 0 else reversed(range(len(plan.phases)))
@@ -564,7 +564,7 @@ class TensorRTEngine:
             chosen = self.select(feeds)
             if chosen is None:
                 step = np.shape(feeds["input_ids"])
-                past = np.shape(feeds["past_key_values.0.key"])[2]
+                past = np.shape(feeds["past_key_values.0.key"])[1]
                 rows = np.shape(feeds["logits_positions"])[1]
                 raise GenerationError(
                     f"no TensorRT engine covers a step of {step[1]} tokens (batch {step[0]}) with {past} cached tokens "
@@ -598,7 +598,7 @@ class TensorRTEngine:
             if not ctx.execute_async_v3(self.cuda.stream_handle):
                 self.cuda.synchronize()
                 raise EngineError(f"TensorRT failed to run {where} on a step of {np.shape(feeds['input_ids'])[1]} "
-                                  f"tokens with {np.shape(feeds['past_key_values.0.key'])[2]} cached; see the "
+                                  f"tokens with {np.shape(feeds['past_key_values.0.key'])[1]} cached; see the "
                                   "TensorRT log above")
             result = {}
             for name, (host, buf) in outputs.items():
