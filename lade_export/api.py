@@ -113,7 +113,8 @@ class Model:
         self.artifact = artifact
         self.tokenizer = tokenizer
         self.engine = engine
-        self.decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer)
+        self.decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer,
+                               lookahead_exact=bool(artifact.manifest["graph"].get("lookahead_exact", True)))
         self.default_profile = artifact.default_profile()
         self.load_s = 0.0
 

@@ -234,9 +234,79 @@ def _reduced_precision_parity(step, graph: Path, prompt_ids, profile, precision:
                        "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs} for c in cases]}
 
 
+def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], threads=None, say=None) -> dict:
+    """Replace ``root/model.onnx`` (float32) by its weight-only quantized form and report
+    the quality: top-1 agreement and max |Δlogit| against the float32 graph, teacher-forced
+    on the float32 engine's own greedy answers (64 tokens) to ``prompts``.
+
+    Returns:
+        the manifest's ``quantization`` section: ``spec``, ``graph`` (sizes, op counts),
+        ``quality`` (:func:`lade_export.quantize.quality_report`).
+    """
+    from .quantize import quality_report, quantize_step_graph
+    from .runtime import Decoder
+
+    say = say or (lambda m: None)
+    fp32 = root / "model.onnx"
+    staged = root / "quantized" / "model.onnx"
+    staged.parent.mkdir()
+    say(f"quantizing the layers' weights to {spec.bits} bits (head and embedding: "
+        f"{f'{spec.head_bits} bits' if spec.head_bits else 'float32'})")
+    info = quantize_step_graph(fp32, staged, spec)
+    say("measuring the quantized graph against the float32 one")
+    reference = OrtEngine(fp32, dims, threads=threads)
+    quantized = OrtEngine(staged, dims, threads=threads)
+    sequences = []
+    for ids in prompts:
+        answer = Decoder(reference, [], dims.max_context).generate(ids, min(64, dims.max_context - len(ids)), None)
+        sequences.append((list(ids) + answer.token_ids, len(ids)))
+    quality = quality_report(reference, quantized, sequences)
+    reference.close()
+    quantized.close()
+    for name in ("model.onnx", "model.onnx.data"):
+        if (root / name).exists():
+            (root / name).unlink()
+        (staged.parent / name).replace(root / name)
+    staged.parent.rmdir()
+    return {"spec": spec.as_dict(), "graph": info, "quality": quality}
+
+
+#: The shipped profile an artifact gets by default, per weight precision: the step-cost
+#: curve differs (an int4 step grows with its width much faster than a float32 one), so
+#: each precision has its own (measured on CPUs; bench/results/README.md).
+DEFAULT_PROFILES = {"fp32": "default", "fp16": "default", "bf16": "default", "int8": "greedy-only",
+                    "int4": "default-int4"}
+
+
+def default_profile_for(precision: str) -> str:
+    """Name of the shipped profile a build records as its default for ``precision``."""
+    return DEFAULT_PROFILES.get(precision, "default")
+
+
+def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
+    """Prompt ids for the quantization quality report: the first MT-Bench questions when the
+    datasets are at hand, else the build's parity prompt."""
+    from .datasets import load_prompts
+    from .errors import GenerationError
+
+    try:
+        texts = [p.text for p in load_prompts("mt_bench", limit=count, chat=chat)]
+    except GenerationError:
+        texts = [PARITY_PROMPT]
+    out = []
+    for text in texts:
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        else:
+            out.append(list(tokenizer(text).input_ids))
+    return out
+
+
 def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,
                    threads: int | None = None, loaded=None, engine_options: dict | None = None,
-                   timing_cache: str | Path | None = None) -> dict:
+                   timing_cache: str | Path | None = None, quantization=None) -> dict:
     """Build an artifact directory (see :mod:`lade_export.artifact`) and return its manifest.
 
     Args:
@@ -253,6 +323,10 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             :func:`lade_export.optimization_profiles.engine_plans` (precision, max_batch,
             max_prompt, max_context, version_compatible, hardware_compatible).
         timing_cache: TensorRT timing cache path, reused across builds.
+        quantization: a :class:`lade_export.quantize.QuantSpec` for an int8/int4 ONNX
+            Runtime graph (``--precision int8|int4``): the float32 graph is exported and
+            checked as always, then replaced by its quantized form, whose quality is
+            measured and recorded (``quantization`` in the manifest).
 
     Raises:
         ModelSourceError, ProfileError, ArtifactError: bad inputs (nothing written).
@@ -293,6 +367,10 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         if engine_options is not None:
             engines = build_tensorrt_engines(step, onnx_path, tmp, profiles, prompt_ids, engine_options, timing_cache,
                                              say)
+        quantized = None
+        if quantization is not None:
+            quantized = quantize_artifact_graph(tmp, dims, quantization, quality_prompts(loaded.tokenizer, chat),
+                                                threads=threads, say=say)
         say("saving the tokenizer and checking it against transformers")
         tokenizer_section = save_tokenizer(loaded.tokenizer, tmp / "tokenizer")
         inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
@@ -316,6 +394,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 "file": "model.onnx",
                 "external_data": "model.onnx.data" if (tmp / "model.onnx.data").exists() else None,
                 "opset": 17,
+                "precision": f"int{quantization.bits}" if quantization is not None else "fp32",
+                "lookahead_exact": quantization.lookahead_exact if quantization is not None else True,
                 "mask": "bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
                 "kv_layout": "[batch, seq, kv_heads, head_dim] (sequence-major), float32, RoPE applied to keys; "
                              "present.* = this step only",
@@ -338,6 +418,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             "timings_s": {"load": round(load_s, 2), "export": round(export_s, 2), "parity": round(parity_s, 2),
                           "transformers_parity": round(reference_s, 2)},
             "engines": engines,
+            **({"quantization": quantized} if quantized is not None else {}),
             "files": file_entries(tmp, names),
         }
         write_json_atomic(tmp / "manifest.json", manifest)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .errors import GenerationError, LadeError
+from .errors import GenerationError, LadeError, ProfileError
 from .profile import resolve_profile
 
 
@@ -62,8 +62,6 @@ def main():
 
 
 def _profiles(values) -> list:
-    from .errors import ProfileError
-
     profiles = [resolve_profile(v) for v in (values or ("default",))]
     names = [p.name for p in profiles]
     for name in names:
@@ -83,9 +81,15 @@ def _profiles(values) -> list:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads for the parity check.")
 @click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="onnx: the ONNX graph for ONNX Runtime; tensorrt: also one TensorRT engine per profile.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
-              help="TensorRT engine precision (TensorRT 10: builder flags on the float32 graph; "
-                   "11: a strongly typed network from the step exported in that precision).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="The weights' numeric format. ONNX Runtime: fp32 (default), int8 or int4 (weight-only "
+                   "MatMulNBits); TensorRT: fp16 (default), bf16 or fp32 (TensorRT 10: builder flags on the float32 "
+                   "graph; 11: a strongly typed network from the step exported in that precision).")
+@click.option("--block-size", type=int, default=32, show_default=True, help="int8/int4: weights per quantization scale.")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
+              help="int8/int4: MatMulNBits compute type (default: 1, float32, for int4; 4, int8 activations, for "
+                   "int8). Only 0 and 1 keep lookahead exact; other levels make an artifact that decodes without "
+                   "lookahead.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, read and updated (reuse it across builds).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Largest batch the engines accept.")
@@ -94,14 +98,29 @@ def _profiles(values) -> list:
 @click.option("--version-compatible", is_flag=True, help="TensorRT version-compatible engines (for later runtimes).")
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
 @click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")
-def build(source, profile_values, out, force, threads, engine, precision, timing_cache, max_batch, max_prompt,
-          max_context, version_compatible, hardware_compatible, dry_run):
+def build(source, profile_values, out, force, threads, engine, precision, block_size, accuracy_level, timing_cache,
+          max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
-    (and with --engine tensorrt, one TensorRT engine per profile)."""
-    profiles = _profiles(profile_values)
-    from .build import build_artifact
+    (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
+    per profile)."""
+    from .build import build_artifact, default_profile_for
     from .optimization_profiles import describe_plan, engine_plans
+    from .quantize import ORT_PRECISIONS, QuantSpec
 
+    precision = precision or ("fp16" if engine == "tensorrt" else "fp32")
+    if engine == "onnx" and precision not in ORT_PRECISIONS:
+        raise ProfileError(f"--precision {precision} is a TensorRT (or torch backend) precision; ONNX Runtime engines "
+                           "take fp32, int8 or int4")
+    if engine == "tensorrt" and precision in ("int8", "int4"):
+        raise ProfileError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
+                           "--engine tensorrt takes fp16, bf16 or fp32")
+    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level) \
+        if engine == "onnx" and ORT_PRECISIONS[precision] else None
+    profiles = _profiles(profile_values or (default_profile_for(precision),))
+    if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
+        raise ProfileError(f"--precision {precision} with accuracy level {quantization.accuracy_level} computes one-token "
+                           "and multi-token steps differently (int8 activations), so lookahead would not be exact; "
+                           "give --profile greedy-only, or build int4 (float32 compute)")
     engine_options = None
     if engine == "tensorrt":
         engine_options = dict(precision=precision, max_batch=max_batch, max_prompt=max_prompt, max_context=max_context,
@@ -138,11 +157,17 @@ def build(source, profile_values, out, force, threads, engine, precision, timing
         require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
     with _progress() as say:
         manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
-                                  engine_options=engine_options, timing_cache=timing_cache)
+                                  engine_options=engine_options, timing_cache=timing_cache, quantization=quantization)
     worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
     click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
                f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
                f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
+    if quantization is not None:
+        q = manifest["quantization"]
+        click.echo(f"{precision} weights: {q['graph']['bytes_after'] / 2**20:.0f} MB (float32 "
+                   f"{q['graph']['bytes_before'] / 2**20:.0f} MB); against the float32 graph: top-1 agreement "
+                   f"{100 * q['quality']['top1_agreement']:.1f}% over {q['quality']['positions']} answer tokens, "
+                   f"max |Δlogit| {q['quality']['max_abs_logit_diff']:.2f}", err=True)
     _echo_rope_note(manifest)
 
 

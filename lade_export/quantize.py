@@ -1,47 +1,54 @@
-"""Weight-only quantized step graphs for ONNX Runtime (``build --precision int8|int4``).
+"""Weight-only quantized step graphs for ONNX Runtime (``build --precision int4|int8``).
 
-Every MatMul with a constant weight — the attention and MLP projections and the LM head —
-becomes ONNX Runtime's ``MatMulNBits`` (com.microsoft contrib op): 4 or 8 bits per
-weight, one float32 scale per block of ``block_size`` weights along the input
-dimension, ``accuracy_level`` choosing the kernel's compute type (4: int8 activations,
-the fastest on CPUs with AVX-512 VNNI or AVX2). The token embedding becomes
-``GatherBlockQuantized`` on the same packed format. For tied embeddings the LM head's
-packed weight *is* the embedding table ([vocab, hidden], blocked along hidden), so both
-ops read one tensor on disk (the gather through a ``Reshape``; ONNX Runtime may still keep
-two copies in memory after constant folding and kernel prepacking).
+Every MatMul of the transformer layers (attention and MLP projections) becomes ONNX
+Runtime's ``MatMulNBits`` (com.microsoft contrib op; ONNX Runtime ContribOperators.md):
+4 or 8 bits per weight, one float32 scale per block of ``block_size`` weights along the
+input dimension, ``accuracy_level`` choosing the kernel's compute type.
 
-Both schemes are round-to-nearest per block:
+**Exactness decides the compute type.** Lookahead is exact only if the engine computes a
+token the same way in a one-token step (greedy) and inside a many-token step (lookahead).
+With ``accuracy_level`` 4 (int8 activations) ONNX Runtime 1.32's CPU kernels quantize the
+activations of a one-row step differently from those of a two-or-more-row step (row 0 of
+SmolLM2's int4 graph: 0.66 apart in the logits, where float32 compute differs by 4e-5),
+and float32-level differences between the two histories are then amplified by the
+rounding to int8: 14 of 16 MT-Bench answers diverged from greedy within 128 tokens, also
+with greedy steps padded to two rows. With ``accuracy_level`` 1 (float32 compute) the
+int4 graph behaves like the float32 one. So:
 
-* transformer layers, ``minmax``: asymmetric, ``w = scale · (q − z)`` with
-  ``scale = (max − min) / (2^bits − 1)`` and a real-valued zero point ``z = −min / scale``.
-  When the checkpoint came from a block-quantized file with the same block size — the
-  SmolLM2 GGUF stores its layers as Q4_1 (``d·q + m`` per block of 32) — every block lies
-  on this grid and is recovered exactly: the engine computes with the model's own
-  weights. ``MatMulNBits`` has fast CPU kernels only for integer zero points (with float
-  zero points it falls back to a path 4–8× slower than float32 here), so ``z`` is split
-  into the integer ``round(z)`` the kernel takes and a per-block residual
-  ``scale · (round(z) − z)``, added back as ``Σ_block(x) @ R`` — a MatMul with K/block
-  rows beside the big one (about 1 bit per weight and 3% of the compute). Without that
-  term SmolLM2's int4 engine agrees with the float32 one on 75% of the next tokens; with it,
-  98% (the rest is the kernel's int8 activations, ``accuracy_level`` 4, as in llama.cpp's
-  own 4-bit dot products).
-* LM head and embedding, ``absmax`` at ``head_bits`` (8 by default, also for ``int4``):
-  symmetric, ``scale = max|w| / (2^(bits−1) − 1)``, the zero point implied (2^(bits−1)).
-  Exact for a Q8_0 source (SmolLM2's ``token_embd``); a 4-bit head is where small models
-  lose most, and llama.cpp's 4-bit files keep it wider too.
+* ``int4`` computes in float32 (level 1): exact lookahead, and on SmolLM2 about half the
+  float32 graph's time for a one-token step (the weights are read at 4 bits).
+* ``int8``: ONNX Runtime's CPU 8-bit kernels have no fast float32-compute path (level 1
+  is ~30× slower than float32 here), so int8 uses level 4 and its artifacts say
+  ``lookahead_exact: false``: the runtime decodes them greedily (or by sampling) one token
+  per step and refuses lookahead rather than break the promise.
 
-Why not ONNX Runtime's quantizer (``onnxruntime.quantization.matmul_nbits_quantizer``),
-which writes the same ops: its RTN stores integer zero points and a symmetric scale of
-``max|w| / 2^(bits−1)``, which cannot hold these grids (top-1 agreement with the float32
-graph 73–76% at 4 bits, 96% at 8 bits, teacher-forced on SmolLM2 chat answers, against
-99–100% here), and its HQQ optimizes float zero points iteratively (60 s for SmolLM2, not
-exact). The packing follows the ops' specification (ONNX Runtime ContribOperators.md:
-``MatMulNBits`` B is uint8 [N, K/block, block·bits/8], low nibble first).
+**Weights.** Transformer layers use ``minmax`` blocks: asymmetric, ``w = scale · (q − z)``
+with ``scale = (max − min) / (2^bits − 1)`` and a real-valued zero point ``z = −min/scale``.
+When the checkpoint came from a block-quantized file with the same block size — the
+SmolLM2 GGUF stores its layers as Q4_1 (``d·q + m`` per block of 32) — every block lies on
+this grid and is recovered exactly: the int4 engine computes with the model's own weights
+(top-1 agreement 100%, max |Δlogit| 9e-5 against the float32 graph, teacher-forced on chat
+answers). ``MatMulNBits`` has fast kernels only for integer zero points, so ``z`` is split
+into the integer ``round(z)`` the kernel takes and a per-block residual
+``scale · (round(z) − z)``, added back as ``Σ_block(x) @ R`` — a MatMul with K/block rows
+beside the big one (about 1 bit per weight and 3% of the compute). ONNX Runtime's own
+quantizer (``onnxruntime.quantization.matmul_nbits_quantizer``) writes the same ops but
+stores integer zero points and a symmetric scale of ``max|w| / 2^(bits−1)``, which cannot
+hold such grids (top-1 agreement 73–76% at 4 bits), and its HQQ optimizes float zero points
+iteratively (60 s for SmolLM2, not exact); hence this small packer.
+
+**LM head and embedding** stay float32 by default (``head_bits`` 0; the tied embedding
+stays one tensor behind a Transpose). ``head_bits`` 8 or 4 quantizes them with symmetric
+``absmax`` blocks (``scale = max|w| / (2^(bits−1) − 1)``, exact for a Q8_0 source such
+as SmolLM2's ``token_embd``) into a ``MatMulNBits`` head and a ``GatherBlockQuantized``
+embedding reading the head's packed weight through a ``Reshape`` (one tensor on disk;
+ONNX Runtime may keep two copies in memory) — but an 8-bit head needs int8 activations
+(see above) and a 4-bit one loses quality (top-1 agreement 79% on SmolLM2), so neither is
+the default.
 
 Attention itself (softmax, the KV cache) stays float32; the I/O contract of the step graph
-(:mod:`lade_export.specs`) does not change. Exactness is defined on the engine: lookahead
-output equals greedy output on the same quantized engine. Quality against the float32
-graph is measured by :func:`quality_report` and recorded in the manifest.
+(:mod:`lade_export.specs`) does not change. Quality against the float32 graph is measured
+by :func:`quality_report` and recorded in the manifest.
 """
 
 from __future__ import annotations
@@ -64,8 +71,9 @@ class QuantSpec:
     Attributes:
         bits: 4 or 8, the transformer layers' weights.
         block_size: weights per scale along the input dimension (a power of two ≥ 16).
-        accuracy_level: ``MatMulNBits`` compute type: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8.
-        head_bits: 4 or 8, the LM head's and the token embedding's weights.
+        accuracy_level: ``MatMulNBits`` compute type: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
+            (activations); only 0 and 1 keep lookahead exact (module docstring).
+        head_bits: 4 or 8, the LM head's and the token embedding's weights (0: left float32).
 
     Raises:
         ProfileError: on construction, a value out of range (one line, for the CLI).
@@ -73,19 +81,35 @@ class QuantSpec:
 
     bits: int
     block_size: int = 32
-    accuracy_level: int = 4
-    head_bits: int = 8
+    accuracy_level: int = 1
+    head_bits: int = 0
 
     def __post_init__(self):
-        if self.bits not in (4, 8) or self.head_bits not in (4, 8):
+        if self.bits not in (4, 8) or self.head_bits not in (0, 4, 8):
             raise ProfileError(f"quantization bits must be 4 or 8, got {self.bits} (head {self.head_bits})")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ProfileError(f"--block-size must be a power of two ≥ 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ProfileError(f"--accuracy-level must be 0..4, got {self.accuracy_level}")
 
+    @property
+    def lookahead_exact(self) -> bool:
+        """Whether the engine computes a token the same in a one-token and a many-token
+        step (float32 compute, accuracy level 0 or 1): lookahead is exact only then."""
+        return self.accuracy_level in (0, 1)
+
+    @classmethod
+    def for_precision(cls, precision: str, block_size: int = 32, accuracy_level: int | None = None,
+                      head_bits: int = 0) -> "QuantSpec":
+        """The spec of ``--precision int4|int8``: int4 computes in float32 (accuracy level 1,
+        exact lookahead); ONNX Runtime's CPU 8-bit kernels need int8 activations (level 4)."""
+        bits = ORT_PRECISIONS[precision]
+        level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)
+        return cls(bits, block_size, level, head_bits)
+
     def as_dict(self) -> dict:
         return {"bits": self.bits, "head_bits": self.head_bits, "block_size": self.block_size,
+                "lookahead_exact": self.lookahead_exact,
                 "accuracy_level": self.accuracy_level,
                 "layers": "minmax: asymmetric round-to-nearest per block; real zero point = uint zero point + "
                           "per-block residual term",
@@ -205,6 +229,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     if hidden % spec.block_size:
         raise ValueError(f"hidden size {hidden} is not a multiple of the block size {spec.block_size}")
     tied = next((n for n in graph.node if n.op_type == "Transpose" and n.name == tied_transpose), None)
+    if not spec.head_bits:
+        tied = None  # the head and the embedding stay float32 (and tied through the Transpose)
     head_weight = tied.output[0] if tied is not None else None
     nodes, matmuls, head = [], 0, None
     for node in graph.node:
@@ -216,7 +242,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
             head = new[0]
             nodes += new
             matmuls += 1
-        elif b in inits and len(inits[b].dims) == 2 and inits[b].dims[0] % spec.block_size == 0:
+        elif (b in inits and len(inits[b].dims) == 2 and inits[b].dims[0] % spec.block_size == 0
+              and not (list(inits[b].dims) == [hidden, vocab] and not spec.head_bits)):
             w = numpy_helper.to_array(inits[b])
             is_head = list(w.shape) == [hidden, vocab]
             nodes += _matmul_nbits(graph, node, w, spec.head_bits if is_head else spec.bits, spec,
@@ -230,10 +257,14 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     gather = next((n for n in graph.node if n.op_type == "Gather" and n.input and n.input[0] == embed_name), None)
     if gather is None:
         raise ValueError(f"the step graph has no Gather on {embed_name}")
+    if not spec.head_bits:
+        gather = None  # float32 embedding: nothing to replace
     kbytes = hidden * spec.head_bits // 8
     blocks = hidden // spec.block_size
     extra = []
-    if head is not None:  # tied: the gather reads the head's packed weight
+    if gather is None:
+        embedding = "float32"
+    elif head is not None:  # tied: the gather reads the head's packed weight
         shape = helper.make_tensor("embedding_q_shape", onnx.TensorProto.INT64, [2], [vocab, kbytes])
         graph.initializer.append(shape)
         extra.append(helper.make_node("Reshape", [head.input[1], shape.name], ["embedding_q"],
@@ -244,13 +275,14 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         graph.initializer.extend([numpy_helper.from_array(q["packed"].reshape(vocab, kbytes), "embedding_q"),
                                   numpy_helper.from_array(q["scales"].reshape(vocab, blocks), "embedding_scales")])
         data, scales, embedding = "embedding_q", "embedding_scales", "own table"
-    extra.append(helper.make_node("GatherBlockQuantized", [data, gather.input[1], scales], list(gather.output),
-                                  name="embedding_gather_quantized", domain="com.microsoft", gather_axis=0,
-                                  quantize_axis=1, block_size=spec.block_size, bits=spec.head_bits))
-    position = list(graph.node).index(gather)
-    graph.node.remove(gather)
-    for k, node in enumerate(extra):
-        graph.node.insert(position + k, node)
+    if gather is not None:
+        extra.append(helper.make_node("GatherBlockQuantized", [data, gather.input[1], scales], list(gather.output),
+                                      name="embedding_gather_quantized", domain="com.microsoft", gather_axis=0,
+                                      quantize_axis=1, block_size=spec.block_size, bits=spec.head_bits))
+        position = list(graph.node).index(gather)
+        graph.node.remove(gather)
+        for k, node in enumerate(extra):
+            graph.node.insert(position + k, node)
     used = {i for n in graph.node for i in n.input}
     for init in list(graph.initializer):
         if init.name not in used:

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Callable, Iterator, Protocol
 
 from .detokenize import TextStream
-from .errors import GenerationError
+from .errors import GenerationError, ProfileError
 from .feeds import causal_feeds, empty_past_feeds
 from .kv_cache import KVCache
 from .lookahead import StopRules, new_state
@@ -160,13 +160,18 @@ class Decoder:
             default ``engine.dims.max_context``.
         tokenizer: optional (:class:`lade_export.tokenizer.Tokenizer`), to stream text
             and match stop strings.
+        lookahead_exact: False for an engine that computes a token differently in one-token
+            and many-token steps (an int8-activation graph, see :mod:`lade_export.quantize`):
+            lookahead requests are then refused instead of being inexact.
 
     State (window, pool, KV cache, text) is created per request, so consecutive and
     concurrent calls on one object are independent.
     """
 
-    def __init__(self, engine: Engine, stop_token_ids=(), max_context: int | None = None, tokenizer=None):
+    def __init__(self, engine: Engine, stop_token_ids=(), max_context: int | None = None, tokenizer=None,
+                 lookahead_exact: bool = True):
         self.engine = engine
+        self.lookahead_exact = lookahead_exact
         self.dims = engine.dims
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.max_context = max_context or self.dims.max_context
@@ -182,8 +187,9 @@ class Decoder:
         Raises:
             GenerationError: empty prompt, ``max_new_tokens`` not an integer ≥ 1, or
                 prompt + new tokens beyond the context.
-            ProfileError: the profile's largest step does not fit the context, or the
-                engine's shapes do not cover it (TensorRT engines).
+            ProfileError: the profile's largest step does not fit the context, the
+                engine's shapes do not cover it (TensorRT engines), or lookahead would not
+                be exact on this engine.
         """
         if prompt_len < 1:
             raise GenerationError("empty prompt: give at least one token (the tokenizer's BOS counts)")
@@ -195,6 +201,10 @@ class Decoder:
                 f"exceeds the model's context of {self.max_context} tokens"
             )
         if profile is not None and profile.enabled:
+            if not self.lookahead_exact:
+                raise ProfileError(f"profile {profile.name!r}: this engine computes one-token and multi-token steps "
+                                   "differently (int8 activations), so lookahead would not be exact; decode without "
+                                   "lookahead, or use an int4 or fp32 build")
             profile.check_fits(self.max_context)
             supports = getattr(self.engine, "check_profile", None)
             if supports is not None:
