@@ -439,8 +439,13 @@ def _report_skipped(skipped, kept, context: int) -> None:
 @click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K]", help="Grid entries instead of --grid.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("profiles/tuned.toml"), show_default=True)
 @click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--validate-dataset", default=None,
+              help="Also verify the winner on another workload (default: humaneval, or mt_bench when tuning on "
+                   "humaneval; 'none' to skip).")
+@click.option("--validate-limit", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
-def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, out, backend, threads):
+def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, out, backend, threads,
+         validate_dataset, validate_limit):
     """Measure the step-cost curve and a grid of profiles, keep the fastest measured one
     that also beats greedy on held-out prompts, and write it as a profile TOML."""
     from rich.console import Console
@@ -459,9 +464,17 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
     _report_skipped(skipped, kept, decoder.max_context)
     prompts = [ids for _, ids in kept]
     half = (len(prompts) + 1) // 2
+    validate_dataset = validate_dataset or next(d for d in ("humaneval", "mt_bench") if d != dataset)
+    validation = []
+    if validate_dataset != "none":
+        vkept, vskipped = fit_prompts(decoder, tokenizer, load_prompts(validate_dataset, limit=validate_limit,
+                                                                       chat=chat), chat)
+        _report_skipped(vskipped, vkept, decoder.max_context)
+        validation = [ids for _, ids in vkept]
     with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("tuning", total=half * len(profiles) + (len(prompts) - half))
-        result = run_tune(decoder, prompts, profiles, max_new_tokens, progress=lambda n: progress.advance(task, n))
+        task = progress.add_task("tuning", total=half * len(profiles) + (len(prompts) - half) + len(validation))
+        result = run_tune(decoder, prompts, profiles, max_new_tokens, progress=lambda n: progress.advance(task, n),
+                          validation_ids=validation, validation_label=f"{validate_dataset}, {len(validation)} prompts")
     result.skipped = [r.line() for r in skipped]
     result.name = out.stem if out.stem.replace("-", "").replace("_", "").isalnum() else "tuned"
     if out.parent and not out.parent.exists():
@@ -470,7 +483,9 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
                                        f"{max_new_tokens} new tokens)", environment()))
     b, h = result.best, result.held_out
     click.echo(f"best on sample: {b.profile.name} (compression {b.compression:.2f}, speedup {b.speedup:.2f}x); "
-               f"held out: compression {h.compression:.2f}, speedup {h.speedup:.2f}x")
+               f"held out: compression {h.compression:.2f}, speedup {h.speedup:.2f}x"
+               + (f"; other workload ({result.validation_label}): compression {result.validation.compression:.2f}, "
+                  f"speedup {result.validation.speedup:.2f}x" if result.validation else ""))
     if result.chosen.enabled:
         click.echo(f"wrote {out}: W={result.chosen.window} N={result.chosen.ngram} G={result.chosen.guesses} "
                    f"K={result.chosen.lookup}")

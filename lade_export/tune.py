@@ -6,8 +6,10 @@ speedup on this engine and machine, and prove it on held-out prompts.
 2. Acceptance and speed for every profile of a grid on a sample of the workload's
    prompts, interleaved with plain greedy on the same prompts (exactness checked).
 3. The best profile by measured speedup (total greedy decode time / total profile decode
-   time) is re-measured against greedy on held-out prompts of the same workload.
-4. If it does not beat greedy there, the tuned profile is the greedy setting
+   time) is re-measured against greedy on held-out prompts of the same workload, and on
+   prompts of a *different* workload (``validation``): a speedup that holds only on the
+   prompts it was tuned on is not one.
+4. If it does not beat greedy on both, the tuned profile is the greedy setting
    (``enabled = false``): a tuned profile is never slower than greedy as measured.
 """
 
@@ -119,6 +121,8 @@ class TuneResult:
     chosen: LookaheadProfile
     name: str = "tuned"
     skipped: list = dataclasses.field(default_factory=list)
+    validation: Trial | None = None
+    validation_label: str = ""
 
     def toml(self, dataset: str, env: dict) -> str:
         """The chosen profile as TOML, with the measurements as comments."""
@@ -134,6 +138,10 @@ class TuneResult:
         h = self.held_out
         lines += ["", f"held-out check of {self.best.profile.name}: compression {h.compression:.2f}, "
                       f"speedup {h.speedup:.2f}x over {h.new_tokens} tokens"]
+        if self.validation is not None:
+            v = self.validation
+            lines.append(f"other-workload check ({self.validation_label}): compression {v.compression:.2f}, "
+                         f"speedup {v.speedup:.2f}x over {v.new_tokens} tokens")
         if not self.chosen.enabled:
             lines.append("no profile beat greedy on this machine: this file is the greedy setting")
         if self.skipped:
@@ -143,8 +151,10 @@ class TuneResult:
         return chosen.to_toml(description=f"tuned for {dataset}", comments="\n".join(lines))
 
 
-def tune(decoder, prompts_ids: list, profiles: list, max_new_tokens: int, progress=None) -> TuneResult:
-    """Measure the grid on the first half of ``prompts_ids`` and verify the winner on the rest.
+def tune(decoder, prompts_ids: list, profiles: list, max_new_tokens: int, progress=None,
+         validation_ids: list | None = None, validation_label: str = "") -> TuneResult:
+    """Measure the grid on the first half of ``prompts_ids`` and verify the winner on the
+    rest and on ``validation_ids`` (another workload's prompts).
 
     Args:
         decoder: :class:`lade_export.runtime.Decoder` on the engine to tune for.
@@ -152,6 +162,8 @@ def tune(decoder, prompts_ids: list, profiles: list, max_new_tokens: int, progre
         profiles: the grid.
         max_new_tokens: per generation.
         progress: optional ``callable(advance_by)``.
+        validation_ids: token ids of prompts from a different workload (None: no such check).
+        validation_label: what they are, for the report.
 
     Raises:
         ProfileError: fewer than 2 prompts or an empty grid.
@@ -175,8 +187,10 @@ def tune(decoder, prompts_ids: list, profiles: list, max_new_tokens: int, progre
     trials = _measure(decoder, sample, profiles, max_new_tokens, progress)
     best = max(trials, key=lambda t: t.speedup)
     held_out = _measure(decoder, held, [best.profile], max_new_tokens, progress)[0]
-    if best.speedup > 1.0 and held_out.speedup > 1.0:
+    validation = _measure(decoder, validation_ids, [best.profile], max_new_tokens, progress)[0] \
+        if validation_ids else None
+    if best.speedup > 1.0 and held_out.speedup > 1.0 and (validation is None or validation.speedup > 1.0):
         chosen = best.profile
     else:
         chosen = LookaheadProfile(1, 2, 0, name="tuned", enabled=False)
-    return TuneResult(costs, trials, best, held_out, chosen)
+    return TuneResult(costs, trials, best, held_out, chosen, validation=validation, validation_label=validation_label)
