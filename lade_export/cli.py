@@ -341,8 +341,16 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
               help="mt_bench, humaneval, gsm8k or a .jsonl path (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="Prompts per dataset.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--peer", "peers", multiple=True, type=click.Choice(["transformers-greedy", "transformers-prompt-lookup"]),
-              help="Also run transformers' own generate on the same model and prompts.")
+@click.option("--peer", "peers", multiple=True,
+              type=click.Choice(["transformers-greedy", "transformers-prompt-lookup", "llama.cpp-greedy",
+                                 "llama.cpp-lookahead"]),
+              help="Also run another implementation on the same prompts (repeatable): transformers' generate on the "
+                   "float32 weights, or llama.cpp's greedy CLI / lookahead example on a GGUF.")
+@click.option("--llama-cpp", "llama_cpp", default=None, type=click.Path(path_type=Path),
+              help="Folder with llama-completion and llama-lookahead (default: $LADE_LLAMA_CPP; build them with "
+                   "bench/build_llama_cpp.sh).")
+@click.option("--llama-gguf", "llama_gguf", default=None, type=click.Path(path_type=Path),
+              help="GGUF the llama.cpp peers run (default: the Q4_1 file shipped for SmolLM2).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for results and summaries.")
 @click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
@@ -354,8 +362,8 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt i samples with seed SEED + i.")
-def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers, out, backend, device, dtype, threads,
-            title, temperature, top_k, top_p, seed):
+def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers, llama_cpp, llama_gguf, out, backend,
+            device, dtype, threads, title, temperature, top_k, top_p, seed):
     """Run the baseline (greedy, or plain sampling with --temperature) and each profile (and
     peers) on a workload, interleaved; check exactness (greedy); write results.jsonl,
     summary.md/.csv and speedup.png."""
@@ -369,29 +377,38 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
+    if any(p.startswith("llama.cpp") for p in peers):  # bad llama.cpp setup fails before any work
+        from .peers import check_gguf, check_peer_names, find_llama_cpp
+
+        check_peer_names(peers, not sampling.greedy)
+        find_llama_cpp(llama_cpp)
+        if llama_gguf is not None:
+            check_gguf(llama_gguf)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, device, dtype, threads)
     profiles = [resolve_profile(v) for v in profile_values] if profile_values else artifact.profiles()
     for profile in profiles:
         profile.check_fits(artifact.max_context)
     chat = artifact.has_chat_template
     counts = [len(load_prompts(d, limit=limit, chat=chat)) for d in datasets]
-    peer_model = None
+    peer_set = None
     if peers:
-        from .model_source import load_model
+        from .peers import Peers
 
-        peer_model = load_model(artifact.manifest["source"]["model"]).model
-    total = sum(counts) * (1 + len(profiles) + len(peers))
+        peer_set = Peers(peers, artifact.manifest["source"]["model"], llama_cpp, llama_gguf, threads,
+                         sampled=not sampling.greedy)
+    total = sum(counts) * (1 + len(profiles) + (len(peer_set.names) if peer_set else 0))
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("comparing", total=total)
         records, skipped = run_compare(decoder, tokenizer, chat, list(datasets), profiles, limit, max_new_tokens,
-                                       peers, peer_model, progress=lambda n: progress.advance(task, n), sampling=sampling)
+                                       peer_set, progress=lambda n: progress.advance(task, n), sampling=sampling)
     _report_skipped(skipped, records, decoder.max_context)
     rows = summarize(records)
     meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
             "backend": f"{backend} ({device}, {dtype if backend == 'torch' else 'float32'})",
             "threads": threads or "default", "decoding": sampling.describe(), "datasets": ", ".join(datasets),
             "limit": limit, "max_new_tokens": max_new_tokens,
-            "command": "lade-export compare " + " ".join(sys.argv[2:]), "skipped": [r.line() for r in skipped]}
+            "command": "lade-export compare " + " ".join(sys.argv[2:]), "skipped": [r.line() for r in skipped],
+            "peers": peer_set.describe() if peer_set is not None else {}}
     write_outputs(out, records, rows, meta)
     table = Table(title=f"compare: {', '.join(datasets)} ({limit} prompts, {max_new_tokens} new tokens max)")
     for col in ("dataset", "config", "compression", "tok/s", "speedup", "p50 ms/tok", "exact"):
@@ -401,9 +418,13 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
                       f"{r['speedup_vs_baseline']:.2f}x", f"{r['p50_ms_per_token']:.1f}",
                       "n/a" if r["exact"] is None else f"{r['exact']}/{r['prompts']}")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for key, value in meta["peers"].items():
+        click.echo(f"{key}: {value}", err=True)
     click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv, speedup.png"
                + (f" ({len(skipped)} record(s) skipped: they do not fit the context)" if skipped else ""))
-    bad = [r for r in records if r.exact is False and r.config not in ("transformers-greedy",)]
+    from .peers import UNCHECKED_PEERS
+
+    bad = [r for r in records if r.exact is False and r.config not in UNCHECKED_PEERS]
     if bad:
         first = bad[0]
         raise CheckFailedError(f"{len(bad)} output(s) differ from {first.reference}: first {first.config} on "

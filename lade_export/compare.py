@@ -1,10 +1,12 @@
-"""Side-by-side comparison runs: plain greedy, lookahead profiles and optional
-transformers peers on the same prompts, interleaved prompt by prompt.
+"""Side-by-side comparison runs: plain greedy, lookahead profiles and optional peers
+(transformers, llama.cpp; see :mod:`lade_export.peers`) on the same prompts, interleaved
+prompt by prompt.
 
 Interleaving means machine drift (thermal, other load) hits every configuration alike.
 Every lookahead configuration's output is checked token for token against plain greedy
 on the same engine; the transformers prompt-lookup peer is checked against the
-transformers greedy peer (or against the engine's greedy when that peer is absent).
+transformers greedy peer (or against the engine's greedy when that peer is absent), and
+llama.cpp's lookahead against llama.cpp's greedy (as text).
 
 Under sampling (temperature > 0) the baseline is plain sampling on the same engine
 (configuration ``sampling``), each prompt gets its own seed (``seed + prompt index``),
@@ -27,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .peers import PEERS  # peer names; the peers themselves live in peers.py
+
 GREEDY = "greedy"
 SAMPLING = "sampling"  # the baseline under sampling: plain sampling, no lookahead
 BASELINES = (GREEDY, SAMPLING)
-PEERS = ("transformers-greedy", "transformers-prompt-lookup")
-PROMPT_LOOKUP_TOKENS = 10
 
 
 @dataclasses.dataclass
@@ -52,56 +54,12 @@ class RunRecord:
     reference: str
     token_ids: list
     host_s: float = 0.0
+    text: str | None = None  # peers that print text only (llama.cpp): their output; token_ids is then empty
 
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["compression_ratio"] = self.new_tokens / self.steps if self.steps else 0.0
         return d
-
-
-class _FirstTokenClock:
-    """transformers streamer that notes when the first new token arrives (end of prefill)."""
-
-    def __init__(self):
-        self.calls = 0
-        self.first = None
-
-    def put(self, value):
-        self.calls += 1
-        if self.calls == 2 and self.first is None:  # call 1 is the prompt
-            self.first = time.perf_counter()
-
-    def end(self):
-        pass
-
-
-def run_peer(model, name: str, prompt_ids: list, max_new_tokens: int, stop_ids: list, sampling=None) -> dict:
-    """Run a transformers ``generate`` peer; returns new ids, prefill/decode seconds, steps.
-
-    Decode time runs from the first new token to the end (the peer's prefill emits the
-    first token), so decode tokens are ``new − 1``. With ``sampling`` (temperature > 0)
-    the peer samples with the same temperature / top-k / top-p, seeded by ``torch.manual_seed``.
-    """
-    import torch
-
-    ids = torch.tensor([prompt_ids])
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids or None,
-                  pad_token_id=(stop_ids or [0])[0], attention_mask=torch.ones_like(ids))
-    if sampling is not None and not sampling.greedy:
-        torch.manual_seed(sampling.seed or 0)
-        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
-                      top_p=sampling.top_p)
-    if name == "transformers-prompt-lookup":
-        kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-    clock = _FirstTokenClock()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, streamer=clock, **kwargs)
-    t1 = time.perf_counter()
-    new = out[0, len(prompt_ids):].tolist()
-    first = clock.first or t1
-    # forward passes: one streamer call per pass after the prompt (the prefill pass emits the first token)
-    return {"token_ids": new, "prefill_s": first - t0, "decode_s": t1 - first, "steps": max(clock.calls - 1, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,11 +205,14 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
               "max_new_tokens", "python", "torch", "onnxruntime", "transformers", "lade_export", "command"):
         if k in meta:
             lines.append(f"- **{k}**: {meta[k]}")
+    for k, v in meta.get("peers", {}).items():
+        lines.append(f"- **{k}**: {v}")
     lines += ["", "Speedup = decode tokens/s of the configuration / decode tokens/s of the baseline on the same prompts "
               "(greedy; under sampling, plain sampling). Exact greedy runs emit the same tokens, so it is also the ratio "
               "of total decode times; peers count decode tokens as new tokens − 1 (their prefill emits one). "
               "Compression = new tokens per forward pass. Exact = outputs identical to the reference (n/a under "
-              "sampling).", "",
+              "sampling): our lookahead and transformers' prompt lookup against their greedy, token ids; "
+              "llama.cpp's lookahead against llama.cpp's greedy and llama.cpp's greedy against ours, as text.", "",
               "| dataset | configuration | prompts | compression mean | median | decode tok/s | speedup vs baseline | "
               "p50 ms/token | p90 ms/token | host share | exact |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -295,9 +256,17 @@ def plot_summary(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
+def _continuation_text(tokenizer, prompt_ids: list, new_ids: list) -> str:
+    """Text of ``new_ids`` as it continues the prompt, special tokens rendered (decoded with
+    the prompt and the prompt's text cut off, so a leading space that a tokenizer drops at
+    the start of a text is kept, as llama.cpp prints it)."""
+    whole = tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=False)
+    head = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new_ids, skip_special_tokens=False)
+
+
 def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: list, limit: int, max_new_tokens: int,
-                peers=(), peer_model=None, progress=None, sampling=None
-                ) -> tuple[list[RunRecord], list[SkippedRecord]]:
+                peers=None, progress=None, sampling=None) -> tuple[list[RunRecord], list[SkippedRecord]]:
     """Run the baseline (greedy, or plain sampling), every profile and every peer on each
     prompt, interleaved.
 
@@ -311,7 +280,7 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
         datasets: names or JSONL paths (see :func:`lade_export.datasets.load_prompts`).
         profiles: lookahead profiles.
         limit: prompts per dataset; max_new_tokens: per generation.
-        peers: names from :data:`PEERS`; ``peer_model`` is the transformers model they run.
+        peers: a :class:`lade_export.peers.Peers` (set up by the caller), or None.
         progress: optional ``callable(advance_by)``.
         sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
             greedy); prompt ``i`` of the run samples with seed ``sampling.seed + i``.
@@ -333,7 +302,7 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
         kept, left_out = fit_prompts(decoder, tokenizer, load_prompts(dataset, limit=limit, chat=chat), chat)
         skipped += left_out
         if progress and left_out:
-            progress(len(left_out) * (1 + len(profiles) + len(peers)))
+            progress(len(left_out) * (1 + len(profiles) + (len(peers.names) if peers is not None else 0)))
         for prompt, ids in kept:
             budget = min(max_new_tokens, decoder.max_context - len(ids))
             params = dc.replace(sampling, seed=(sampling.seed or 0) + index) if sampled else None
@@ -341,9 +310,9 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
             base = decoder.generate(ids, budget, None, sampling=params)
             label = prompt.dataset
 
-            def record(config, res_ids, steps, prefill, decode, hist, exact, reference, host=0.0):
-                records.append(RunRecord(label, prompt.id, config, len(ids), len(res_ids), steps, prefill, decode, hist,
-                                         exact, reference, list(res_ids), host))
+            def record(config, res_ids, steps, prefill, decode, hist, exact, reference, host=0.0, new=None, text=None):
+                records.append(RunRecord(label, prompt.id, config, len(ids), len(res_ids) if new is None else new, steps,
+                                         prefill, decode, hist, exact, reference, list(res_ids), host, text))
                 if progress:
                     progress(1)
 
@@ -356,13 +325,11 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
                 record(profile.name, res.token_ids, s.steps, s.prefill_s, s.decode_s,
                        s.as_dict()["acceptance_histogram"], None if sampled else res.token_ids == base.token_ids,
                        baseline, s.host_s)
-            peer_greedy = None
-            for peer in peers:
-                out = run_peer(peer_model, peer, ids, budget, stop_ids, params)
-                if peer == "transformers-greedy":
-                    peer_greedy = out["token_ids"]
-                reference = "transformers-greedy" if peer != "transformers-greedy" and peer_greedy is not None else baseline
-                ref_ids = peer_greedy if reference == "transformers-greedy" else base.token_ids
-                record(peer, out["token_ids"], out["steps"], out["prefill_s"], out["decode_s"],
-                       {}, None if sampled else out["token_ids"] == ref_ids, reference)
+            if peers is not None:
+                text = tokenizer.render_chat([{"role": "user", "content": prompt.text}]) if chat else prompt.text
+                for name, out, reference, exact in peers.run_prompt(
+                        text, ids, budget, stop_ids, baseline, base.token_ids,
+                        lambda: _continuation_text(tokenizer, ids, base.token_ids), params):
+                    record(name, out.token_ids or [], out.steps, out.prefill_s, out.decode_s, {}, exact, reference,
+                           new=out.new_tokens, text=out.text)
     return records, skipped

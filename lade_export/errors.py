@@ -41,6 +41,11 @@ class BackendUnavailableError(LadeError):
     """An optional backend (TensorRT, CUDA) is not installed or has no device to run on."""
 
 
+class PeerError(LadeError):
+    """A comparison peer cannot run: llama.cpp's binaries or GGUF missing, or a peer asked to
+    sample that runs greedy only."""
+
+
 class CheckFailedError(LadeError):
     """A numerical check failed: parity beyond tolerance, or lookahead output differing from greedy."""
 

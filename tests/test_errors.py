@@ -137,6 +137,21 @@ def _stories_with_rope(tmp, stories_dir, rope):
     return d
 
 
+def _fake_llama_cpp(tmp, script="#!/bin/sh\nexit 0\n"):
+    """A folder with executable stand-ins for llama.cpp's two binaries (running ``script``)."""
+    d = tmp / "llama-bin"
+    d.mkdir()
+    for name in ("llama-completion", "llama-lookahead"):
+        (d / name).write_text(script)
+        os.chmod(d / name, 0o755)
+    return d
+
+
+def _compare(t, a, *extra):
+    prompts = _jsonl(t, json.dumps({"prompt": "Once upon a time"}) + "\n")
+    return ["compare", a, "--dataset", prompts, "--limit", 1, "--max-new-tokens", 4, "--out", t / "o", *extra]
+
+
 # (id, builder(tmp, stories_dir, artifact) -> argv, exit code, message substring)
 CASES = [
     ("model-missing-path", lambda t, s, a: ["build", "--model", "/nonexistent/model", "--out", t / "o"], 2,
@@ -249,12 +264,33 @@ CASES = [
      "it is not a lade-export build (no manifest.json)"),
     ("build-out-exists", lambda t, s, a: ["build", "--model", s, "--out", a], 2,
      "already exists; pass --force to replace it"),
+    ("peer-llama-cpp-missing", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-greedy"), 2,
+     "the llama.cpp peers need llama.cpp's binaries: give --llama-cpp DIR or set LADE_LLAMA_CPP "
+     "(build them with bench/build_llama_cpp.sh)"),
+    ("peer-llama-cpp-not-found", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-greedy", "--llama-cpp",
+                                                           t / "nowhere"), 2,
+     "llama.cpp folder not found: "),
+    ("peer-llama-cpp-no-binary", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-lookahead", "--llama-cpp", t), 2,
+     "has no executable llama-completion (build it with bench/build_llama_cpp.sh)"),
+    ("peer-llama-gguf-missing", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-greedy", "--llama-cpp",
+                                                          _fake_llama_cpp(t), "--llama-gguf", t / "none.gguf"), 2,
+     "none.gguf: file not found"),
+    ("peer-llama-gguf-not-gguf", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-greedy", "--llama-cpp",
+                                                           _fake_llama_cpp(t), "--llama-gguf", _not_gguf(t)), 2,
+     "weights.gguf: not a GGUF file"),
+    ("peer-llama-cpp-sampling", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-greedy", "--temperature", 0.7), 2,
+     "--peer llama.cpp-greedy runs greedy only; drop --temperature or the llama.cpp peers"),
+    ("peer-llama-cpp-crash", lambda t, s, a: _compare(
+        t, a, "--peer", "llama.cpp-greedy", "--llama-gguf", s / "llama2c" / "stories260K.gguf", "--llama-cpp",
+        _fake_llama_cpp(t, "#!/bin/sh\necho 'Illegal instruction' >&2\nkill -ILL $$\n")), 1,
+     "llama-completion failed with exit status -4 (SIGILL): Illegal instruction"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, stories_artifact, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # deterministic "offline" for the hub case
+    monkeypatch.delenv("LADE_LLAMA_CPP", raising=False)  # the peer cases name their binaries themselves
     _, build_args, code, message = case
     work = tmp_path / "w"
     work.mkdir()

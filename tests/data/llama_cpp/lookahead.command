@@ -1,0 +1,1 @@
+llama-lookahead -m SmolLM2-135M-Instruct.Q4_1.gguf -f prompt.txt -n 30 -c 512 -t 2 -tb 2 --temp 0 --top-k 1 --repeat-penalty 1 --seed 0 --no-escape --no-log-prefix --no-log-timestamps --log-colors off
