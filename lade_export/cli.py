@@ -356,13 +356,16 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--also", "also", multiple=True, type=click.Path(path_type=Path),
+              help="Another artifact of the same model (e.g. its int4 build) to run in the same loop: its greedy and its "
+                   "default profile (repeatable).")
 @click.option("--title", default="", help="Title for summary.md (e.g. the machine).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="> 0: compare under sampling (baseline: plain sampling; exactness n/a).")
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt i samples with seed SEED + i.")
-def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers, llama_cpp, llama_gguf, out, backend,
+def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers, llama_cpp, llama_gguf, out, also, backend,
             device, dtype, threads, title, temperature, top_k, top_p, seed):
     """Run the baseline (greedy, or plain sampling with --temperature) and each profile (and
     peers) on a workload, interleaved; check exactness (greedy); write results.jsonl,
@@ -396,11 +399,22 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 
         peer_set = Peers(peers, artifact.manifest["source"]["model"], llama_cpp, llama_gguf, threads,
                          sampled=not sampling.greedy)
-    total = sum(counts) * (1 + len(profiles) + (len(peer_set.names) if peer_set else 0))
+    extra_engines = []
+    for path in also:
+        other = _open_decoder(path, backend, device, dtype, threads)
+        tag = other[0].manifest["graph"].get("precision", "fp32")
+        tags = [t for t, _, _ in extra_engines]
+        tag = tag if tag not in tags and tag != artifact.manifest["graph"].get("precision", "fp32") else path.name
+        default = other[0].default_profile()
+        use = [default] if default is not None and default.enabled and other[2].lookahead_exact else []
+        extra_engines.append((tag, other[2], use))
+    total = sum(counts) * (1 + len(profiles) + (len(peer_set.names) if peer_set else 0)
+                           + sum(1 + len(p) for _, _, p in extra_engines))
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("comparing", total=total)
         records, skipped = run_compare(decoder, tokenizer, chat, list(datasets), profiles, limit, max_new_tokens,
-                                       peer_set, progress=lambda n: progress.advance(task, n), sampling=sampling)
+                                       peer_set, progress=lambda n: progress.advance(task, n), sampling=sampling,
+                                       extra_engines=extra_engines)
     _report_skipped(skipped, records, decoder.max_context)
     rows = summarize(records)
     meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
@@ -408,6 +422,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
             "threads": threads or "default", "decoding": sampling.describe(), "datasets": ", ".join(datasets),
             "limit": limit, "max_new_tokens": max_new_tokens,
             "command": "lade-export compare " + " ".join(sys.argv[2:]), "skipped": [r.line() for r in skipped],
+            **({"also": ", ".join(f"{t}: {p}" for (t, _, _), p in zip(extra_engines, also))} if also else {}),
             "peers": peer_set.describe() if peer_set is not None else {}}
     write_outputs(out, records, rows, meta)
     table = Table(title=f"compare: {', '.join(datasets)} ({limit} prompts, {max_new_tokens} new tokens max)")

@@ -123,8 +123,9 @@ def _pct(values, q):
 def summarize(records: list[RunRecord]) -> list[dict]:
     """Per dataset × configuration: compression mean/median, decode tok/s, speedup vs the
     baseline (decode tok/s ratio; for exact greedy runs, which emit the same tokens, the
-    ratio of total decode times), p50/p90 decode time per token (ms), exact count (None
-    under sampling)."""
+    ratio of total decode times), speedup vs the configuration's own greedy (its
+    ``reference``: an extra engine's greedy, transformers or llama.cpp greedy for their
+    lookahead peers), p50/p90 decode time per token (ms), exact count (None under sampling)."""
     rows = []
     keys = []
     for r in records:
@@ -156,7 +157,12 @@ def summarize(records: list[RunRecord]) -> list[dict]:
             "p90_ms_per_token": _pct(per_tok, 90),
             "exact": None if any(r.exact is None for r in mine) else sum(r.exact for r in mine),
             "host_share": (sum(r.host_s for r in mine) / decode) if decode and not peer else 0.0,
+            "reference": mine[0].reference,
         })
+    speed = {(r["dataset"], r["config"]): r["decode_tok_s"] for r in rows}
+    for r in rows:
+        own = speed.get((r["dataset"], r.pop("reference")), 0.0)
+        r["speedup_vs_own_greedy"] = r["decode_tok_s"] / own if own else 0.0
     return rows
 
 
@@ -201,7 +207,7 @@ def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: d
 
 def render_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# lade-export compare — {meta.get('title', '')}".rstrip(" —"), ""]
-    for k in ("date", "cpu", "cores", "artifact", "model", "backend", "threads", "decoding", "datasets", "limit",
+    for k in ("date", "cpu", "cores", "artifact", "also", "model", "backend", "threads", "decoding", "datasets", "limit",
               "max_new_tokens", "python", "torch", "onnxruntime", "transformers", "lade_export", "command"):
         if k in meta:
             lines.append(f"- **{k}**: {meta[k]}")
@@ -210,16 +216,18 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", "Speedup = decode tokens/s of the configuration / decode tokens/s of the baseline on the same prompts "
               "(greedy; under sampling, plain sampling). Exact greedy runs emit the same tokens, so it is also the ratio "
               "of total decode times; peers count decode tokens as new tokens − 1 (their prefill emits one). "
+              "Vs own greedy = against the same engine's greedy (an extra artifact's, or the peer's own). "
               "Compression = new tokens per forward pass. Exact = outputs identical to the reference (n/a under "
               "sampling): our lookahead and transformers' prompt lookup against their greedy, token ids; "
               "llama.cpp's lookahead against llama.cpp's greedy and llama.cpp's greedy against ours, as text.", "",
               "| dataset | configuration | prompts | compression mean | median | decode tok/s | speedup vs baseline | "
-              "p50 ms/token | p90 ms/token | host share | exact |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "vs own greedy | p50 ms/token | p90 ms/token | host share | exact |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         host = "—" if r["config"] in PEERS else f"{100 * r['host_share']:.1f}%"
         lines.append(f"| {r['dataset']} | {r['config']} | {r['prompts']} | {r['compression_mean']:.2f} | "
                      f"{r['compression_median']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_baseline']:.2f}× | "
+                     f"{r['speedup_vs_own_greedy']:.2f}× | "
                      f"{r['p50_ms_per_token']:.1f} | {r['p90_ms_per_token']:.1f} | {host} | "
                      f"{'n/a' if r['exact'] is None else str(r['exact']) + '/' + str(r['prompts'])} |")
     if meta.get("skipped"):
@@ -266,7 +274,7 @@ def _continuation_text(tokenizer, prompt_ids: list, new_ids: list) -> str:
 
 
 def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: list, limit: int, max_new_tokens: int,
-                peers=None, progress=None, sampling=None) -> tuple[list[RunRecord], list[SkippedRecord]]:
+                peers=None, progress=None, sampling=None, extra_engines=()) -> tuple[list[RunRecord], list[SkippedRecord]]:
     """Run the baseline (greedy, or plain sampling), every profile and every peer on each
     prompt, interleaved.
 
@@ -284,6 +292,10 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
         progress: optional ``callable(advance_by)``.
         sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
             greedy); prompt ``i`` of the run samples with seed ``sampling.seed + i``.
+        extra_engines: ``[(label, decoder, profiles)]``: more artifacts of the same model
+            (e.g. its int4 and int8 builds) run on the same prompts in the same loop, as
+            configurations ``"LABEL greedy"`` and ``"LABEL PROFILE"``; each lookahead
+            configuration is checked against its own engine's greedy output.
 
     Returns:
         ``(records, skipped)``: every :class:`RunRecord` in run order, and the
@@ -325,6 +337,18 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
                 record(profile.name, res.token_ids, s.steps, s.prefill_s, s.decode_s,
                        s.as_dict()["acceptance_histogram"], None if sampled else res.token_ids == base.token_ids,
                        baseline, s.host_s)
+            for tag, other, other_profiles in extra_engines:
+                own = f"{tag} {baseline}"
+                ref = other.generate(ids, budget, None, sampling=params)
+                s = ref.stats
+                record(own, ref.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"],
+                       None if sampled else True, own, s.host_s)
+                for profile in other_profiles:
+                    res = other.generate(ids, budget, profile, sampling=params)
+                    s = res.stats
+                    record(f"{tag} {profile.name}", res.token_ids, s.steps, s.prefill_s, s.decode_s,
+                           s.as_dict()["acceptance_histogram"], None if sampled else res.token_ids == ref.token_ids,
+                           own, s.host_s)
             if peers is not None:
                 text = tokenizer.render_chat([{"role": "user", "content": prompt.text}]) if chat else prompt.text
                 for name, out, reference, exact in peers.run_prompt(

@@ -137,3 +137,23 @@ def test_smollm2_int4_engine_computes_with_the_models_own_weights(tmp_path, smol
     greedy = model.generate(ids, max_new_tokens=64, lookahead=False)
     assert model.generate(ids, max_new_tokens=64).token_ids == greedy.token_ids
     assert model.generate(ids, max_new_tokens=64, profile="default").token_ids == greedy.token_ids
+
+
+def test_compare_runs_the_int4_build_beside_the_float32_one(tmp_path, stories_artifact, stories_int4):
+    import csv
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("Once upon a time", "The little dog")))
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset", str(prompts),
+                                       "--limit", "2", "--max-new-tokens", "32", "--also", str(stories_int4),
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["config"] for r in records[:4]] == ["greedy", "small", "int4 greedy", "int4 default-int4"]
+    assert all(r["exact"] for r in records)
+    assert records[3]["reference"] == "int4 greedy" and records[3]["token_ids"] == records[2]["token_ids"]
+    rows = {r["config"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    own = float(rows["int4 default-int4"]["decode_tok_s"]) / float(rows["int4 greedy"]["decode_tok_s"])
+    assert abs(float(rows["int4 default-int4"]["speedup_vs_own_greedy"]) - own) < 1e-3
+    assert "- **also**: int4: " in (out / "summary.md").read_text()
