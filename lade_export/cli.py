@@ -472,7 +472,7 @@ def _report_skipped(skipped, kept, context: int) -> None:
 @click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
               help="Skip the first N prompts (tune on prompts a comparison does not use).")
 @click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")
-@click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K]", help="Grid entries instead of --grid.")
+@click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K[,B]]", help="Grid entries instead of --grid.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("profiles/tuned.toml"), show_default=True)
 @click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
 @click.option("--validate-dataset", default=None,

@@ -24,14 +24,15 @@ from .errors import CheckFailedError, GenerationError, ProfileError
 from .profile import LookaheadProfile
 
 GRIDS = {
-    "default": [(1, 2, 1, 10), (1, 3, 2, 6), (2, 3, 2, 8), (1, 4, 2, 8), (2, 4, 3, 8), (3, 4, 4, 8), (5, 4, 5, 0),
-                (5, 4, 5, 8)],
+    # (W, N, G, K, B): short steps with history lookup (1–3 branches) beside the paper's wider shapes
+    "default": [(1, 2, 1, 10, 1), (1, 2, 1, 10, 2), (1, 2, 2, 8, 2), (1, 3, 2, 6, 2), (2, 3, 2, 8, 1), (1, 2, 0, 12, 3),
+                (2, 4, 3, 8, 1), (5, 4, 5, 0, 1)],
     "tiny": [(1, 2, 1, 0), (2, 3, 2, 4)],
 }
 
 
 def grid_profiles(spec) -> list[LookaheadProfile]:
-    """Profiles of a named grid (``default``, ``tiny``) or of ``W,N,G[,K]`` strings."""
+    """Profiles of a named grid (``default``, ``tiny``) or of ``W,N,G[,K[,B]]`` strings."""
     if isinstance(spec, str):
         if spec not in GRIDS:
             raise ProfileError(f"unknown grid {spec!r}; use {', '.join(GRIDS)} or --candidate W,N,G[,K]")
@@ -39,10 +40,11 @@ def grid_profiles(spec) -> list[LookaheadProfile]:
     profiles = []
     for item in spec:
         values = [int(x) for x in item.split(",")] if isinstance(item, str) else list(item)
-        if len(values) not in (3, 4):
-            raise ProfileError(f"grid entry {item!r}: want W,N,G or W,N,G,K")
-        w, n, g, k = (values + [0])[:4]
-        profiles.append(LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}k{k}", lookup=k))
+        if len(values) not in (3, 4, 5):
+            raise ProfileError(f"grid entry {item!r}: want W,N,G, W,N,G,K or W,N,G,K,B")
+        w, n, g, k, b = values + [0, 1][len(values) - 3:]
+        profiles.append(LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}k{k}" + (f"b{b}" if b != 1 else ""), lookup=k,
+                                         lookup_branches=b))
     return profiles
 
 
@@ -133,7 +135,8 @@ class TuneResult:
         lines += ["", "grid on the sample prompts (speedup = greedy decode time / profile decode time):"]
         for t in sorted(self.trials, key=lambda t: -t.speedup):
             p = t.profile
-            lines.append(f"  W={p.window} N={p.ngram} G={p.guesses} K={p.lookup}: compression {t.compression:.2f}, "
+            lines.append(f"  W={p.window} N={p.ngram} G={p.guesses} K={p.lookup} B={p.lookup_branches}: "
+                         f"compression {t.compression:.2f}, "
                          f"speedup {t.speedup:.2f}x, max step {p.max_step}")
         h = self.held_out
         lines += ["", f"held-out check of {self.best.profile.name}: compression {h.compression:.2f}, "

@@ -96,7 +96,7 @@ def test_tune_with_a_tiny_grid_writes_a_loadable_profile(tmp_path, stories_artif
     assert result.exit_code == 0, result.output
     text = out.read_text()
     assert "# step-cost curve (one forward pass, past = 256):" in text
-    assert "#   W=1 N=2 G=1 K=0: compression" in text and "#   W=2 N=3 G=2 K=4: compression" in text
+    assert "#   W=1 N=2 G=1 K=0 B=1: compression" in text and "#   W=2 N=3 G=2 K=4 B=1: compression" in text
     assert "# held-out check of " in text
     assert "# other-workload check (humaneval, 8 prompts): compression " in text
     profile = load_profile(out)
