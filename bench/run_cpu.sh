@@ -1,21 +1,51 @@
 #!/usr/bin/env bash
-# Issue #3 benchmark on this machine (2 CPU cores): tune a profile per workload on prompts
-# 16..23, then compare greedy, the tuned and the default profile and both transformers peers
-# on the first 16 prompts of each workload (256 new tokens max), interleaved prompt by prompt.
-# Usage: bash bench/run_cpu.sh [ARTIFACT_DIR]   (builds build/smollm2 if missing)
+# CPU benchmark of lade-export on this machine (2 cores), SmolLM2-135M-Instruct.
+#
+#   bash bench/run_cpu.sh [--tune]
+#
+# 1. Builds (once) the float32, int4 and int8 artifacts under build/.
+# 2. With --tune: tunes a profile for float32 and for int4 on MT-Bench prompts 16..23,
+#    validated on our own chat set (bench/prompts/chat.jsonl) — the shipped default
+#    profiles come from such runs; the tuned files land in bench/results/tuned-*.toml.
+# 3. Compares, per workload (MT-Bench, HumanEval, GSM8K: their first 16 prompts, which no
+#    profile was tuned on; 256 new tokens max), in one interleaved run per workload:
+#    float32 greedy and its default profile, int4 greedy and its default profile, int8
+#    greedy (int8 graphs refuse lookahead: see lade_export/quantize.py), transformers
+#    greedy and prompt lookup (from a float32 HF directory), and llama.cpp greedy and
+#    lookahead on the Q4_1 GGUF that ships the model (built by bench/build_llama_cpp.sh,
+#    found through LADE_LLAMA_CPP or ~/.cache/lade-export/llama.cpp/bin).
+# 4. Compares float32 greedy and the default profile on the chat set (16 prompts).
+# Results: bench/results/cpu-<workload>/ (summary.md/.csv, results.jsonl, speedup.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ART=${1:-build/smollm2}
-[ -d "$ART" ] || lade-export build --out "$ART" --profile default --profile small --profile paper
-mkdir -p bench/results
+TUNE=0
+[ "${1:-}" = "--tune" ] && TUNE=1
+LLAMA=${LADE_LLAMA_CPP:-$HOME/.cache/lade-export/llama.cpp/bin}
+mkdir -p build bench/results
+[ -d build/smollm2 ] || lade-export build --out build/smollm2
+[ -d build/smollm2-int4 ] || lade-export build --out build/smollm2-int4 --precision int4
+[ -d build/smollm2-int8 ] || lade-export build --out build/smollm2-int8 --precision int8
+
+if [ "$TUNE" = 1 ]; then
+  for art in smollm2 smollm2-int4; do
+    lade-export tune "build/$art" --dataset mt_bench --skip 16 --limit 8 --max-new-tokens 256 \
+      --validate-dataset bench/prompts/chat.jsonl --validate-limit 8 \
+      --out "bench/results/tuned-$art.toml" | tee "bench/results/tune-$art.log"
+  done
+fi
+
+PEERS=(--peer transformers-greedy --peer transformers-prompt-lookup)
+if [ -x "$LLAMA/llama-completion" ]; then
+  PEERS+=(--peer llama.cpp-greedy --peer llama.cpp-lookahead --llama-cpp "$LLAMA")
+else
+  echo "llama.cpp not built (bash bench/build_llama_cpp.sh): running without the llama.cpp peers" >&2
+fi
 for ds in mt_bench humaneval gsm8k; do
-  lade-export tune "$ART" --dataset "$ds" --skip 16 --limit 8 --max-new-tokens 256 \
-    --out "bench/results/tuned-$ds.toml" | tee "bench/results/tune-$ds.log"
-done
-for ds in mt_bench humaneval gsm8k; do
-  lade-export compare "$ART" --dataset "$ds" --limit 16 --max-new-tokens 256 \
-    --profile "bench/results/tuned-$ds.toml" --profile default \
-    --peer transformers-greedy --peer transformers-prompt-lookup \
-    --title "SmolLM2-135M-Instruct, $ds, 2-core CPU, ONNX Runtime fp32" \
+  lade-export compare build/smollm2 --dataset "$ds" --limit 16 --max-new-tokens 256 --profile default \
+    --also build/smollm2-int4 --also build/smollm2-int8 "${PEERS[@]}" \
+    --title "SmolLM2-135M-Instruct, $ds, 2-core CPU" \
     --out "bench/results/cpu-$ds" | tee "bench/results/compare-$ds.log"
 done
+lade-export compare build/smollm2 --dataset bench/prompts/chat.jsonl --limit 16 --max-new-tokens 256 \
+  --profile default --title "SmolLM2-135M-Instruct, own chat set, 2-core CPU" \
+  --out bench/results/cpu-chat | tee bench/results/compare-chat.log
