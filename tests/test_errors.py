@@ -125,6 +125,19 @@ def _non_utf8(tmp):
     return f
 
 
+def _triton_repo(tmp, art):
+    from lade_export.serving.repository import write_model_repository
+
+    write_model_repository(art, tmp / "repo", name="m")
+    return tmp / "repo"
+
+
+def _foreign_model(tmp):
+    d = tmp / "repo" / "m"
+    d.mkdir(parents=True)
+    (d / "config.pbtxt").write_text('backend: "onnxruntime"\n')  # someone else's model
+    return tmp / "repo"
+
 # (id, builder(tmp, stories_dir, artifact) -> argv, exit code, message substring)
 CASES = [
     ("model-missing-path", lambda t, s, a: ["build", "--model", "/nonexistent/model", "--out", t / "o"], 2,
@@ -209,6 +222,24 @@ CASES = [
      "it is not a lade-export build (no manifest.json)"),
     ("build-out-exists", lambda t, s, a: ["build", "--model", s, "--out", a], 2,
      "already exists; pass --force to replace it"),
+    ("triton-out-exists", lambda t, s, a: ["triton", a, "--out", _triton_repo(t, a), "--name", "m"], 2,
+     "already exists; pass --force to replace it"),
+    ("triton-force-not-ours", lambda t, s, a: ["triton", a, "--out", _foreign_model(t), "--name", "m", "--force"], 2,
+     "it is not a model written by lade-export triton (no lade_export.json)"),
+    ("triton-bad-name", lambda t, s, a: ["triton", a, "--out", t / "repo", "--name", "../x"], 2,
+     "model name '../x' must be letters, digits, '.', '_' or '-' (it names a directory)"),
+    ("triton-instances", lambda t, s, a: ["triton", a, "--out", t / "repo", "--instances", 0], 2,
+     "--instances must be ≥ 1, got 0"),
+    ("triton-no-engines", lambda t, s, a: ["triton", a, "--out", t / "repo", "--backend", "tensorrt"], 2,
+     "has no TensorRT engines; build it with --engine tensorrt, or serve with --backend ort"),
+    ("triton-limit", lambda t, s, a: ["triton", a, "--out", t / "repo", "--max-new-tokens-limit", 600], 2,
+     "--max-new-tokens-limit must be between 1 and 511 (the model's context is 512 tokens), got 600"),
+    ("triton-greedy-reserved", lambda t, s, a: ["triton", a, "--out", t / "repo", "--profile",
+                                                 _profile(t, 'name = "greedy"\n[lookahead]\nwindow=2\nngram=3\nguesses=2\n')],
+     2, "profile name 'greedy' is reserved: on the server it means plain greedy decoding"),
+    ("triton-path-and-copy", lambda t, s, a: ["triton", a, "--out", t / "repo", "--artifact-path", "/p",
+                                               "--copy-artifact"], 2,
+     "give --artifact-path or --copy-artifact, not both"),
 ]
 
 
