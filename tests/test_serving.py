@@ -354,6 +354,44 @@ def test_a_missing_artifact_fails_the_model_load_with_one_line(tmp_path, stories
     assert server.leftover_processes() == []
 
 
+ORPHAN = """
+import sys, time
+from lade_export.serving.local import LocalTritonServer
+server = LocalTritonServer(sys.argv[1], sys.argv[2], env_dir=sys.argv[3])
+server.start()
+print(server.process.pid, *server.stubs.values(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path, stories_artifact, triton_env):
+    import subprocess
+    import sys
+
+    from lade_export.serving.local import _group_members
+
+    write_model_repository(stories_artifact, tmp_path / "repo", name="orphan")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tmp_path / "repo"), str(tmp_path / "run"),
+                               str(triton_env)], stdout=subprocess.PIPE, text=True, env=env)
+    regions = []
+    try:
+        server_pid, *regions = parent.stdout.readline().split()
+        assert _group_members(int(server_pid)), "the server was not running"
+        parent.kill()  # SIGKILL: no finalizer, no atexit in the parent
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while _group_members(int(server_pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group_members(int(server_pid)) == []  # the parent-death signal took the server and its stubs
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.stdout.close()
+        for region in regions:  # a stub killed mid-flight may leave its region: do not leak it from a test
+            Path(f"/dev/shm/{region}").unlink(missing_ok=True)
+
+
 # -- SmolLM2 (chat template), two instances ---------------------------------------------------
 
 @pytest.mark.slow

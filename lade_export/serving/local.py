@@ -158,9 +158,12 @@ def free_ports(n: int) -> list:
             s.close()
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child must not dlopen after fork
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent():  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _group_members(pgid: int) -> list:
