@@ -98,6 +98,31 @@ async def run_level(url, model, prompts, concurrency, total, max_new_tokens, pro
     }
 
 
+def in_process_baseline(artifact, prompts, n, max_new_tokens, profile, threads) -> dict:
+    """The same requests one at a time through the in-process API (no server): what the
+    server's figures at concurrency 1 compare with."""
+    import lade_export
+
+    with lade_export.load(artifact, threads=threads or None) as model:
+        model.generate(prompts[0], max_new_tokens=8, profile=profile)  # warm-up
+        runs = []
+        t0 = time.perf_counter()
+        for i in range(n):
+            chunks, t_send = [], time.perf_counter()
+            for chunk in model.stream(prompts[i % len(prompts)], max_new_tokens=max_new_tokens, profile=profile):
+                chunks.append((time.perf_counter(), len(chunk.token_ids)))
+            first = next(j for j, (_, k) in enumerate(chunks) if k)
+            later = sum(k for _, k in chunks[first + 1:])
+            runs.append({"tokens": sum(k for _, k in chunks), "ttft_s": chunks[first][0] - t_send,
+                         "tpot_s": (chunks[-1][0] - chunks[first][0]) / later if later else None})
+        wall = time.perf_counter() - t0
+    tpot = [r["tpot_s"] for r in runs if r["tpot_s"] is not None]
+    return {"requests": n, "wall_s": wall, "new_tokens": sum(r["tokens"] for r in runs),
+            "throughput_tok_s": sum(r["tokens"] for r in runs) / wall,
+            "ttft_p50_ms": 1e3 * percentile([r["ttft_s"] for r in runs], 50),
+            "tpot_p50_ms": 1e3 * percentile(tpot, 50)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("artifact")
@@ -109,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     ap.add_argument("--threads", type=int, default=0, help="engine threads per instance (0: the engine's default)")
+    ap.add_argument("--baseline", type=int, default=4, help="requests run in-process first, one at a time (0: none)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -121,10 +147,14 @@ def main(argv=None) -> int:
         from lade_export.datasets import load_prompts
 
         prompts = [p.text for p in load_prompts(args.dataset, limit=args.prompts)]
+    load_before = os.getloadavg()
+    baseline = None
+    if args.baseline:
+        baseline = in_process_baseline(args.artifact, prompts, args.baseline, args.max_new_tokens, args.profile,
+                                       args.threads)
     work = Path(tempfile.mkdtemp(prefix="lade-serve-bench-"))
     write_model_repository(args.artifact, work / "repo", name="bench", instances=args.instances, threads=args.threads,
                            max_concurrent_requests=max(args.concurrency))
-    load_before = os.getloadavg()
     try:
         with LocalTritonServer(work / "repo", work / "run") as server:
             with urllib.request.urlopen(server.http_url + "/v2", timeout=5) as resp:
@@ -140,7 +170,7 @@ def main(argv=None) -> int:
         "machine": machine(), "triton": triton_version, "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "artifact": str(args.artifact), "dataset": args.dataset,
         "max_new_tokens": args.max_new_tokens, "instances": args.instances, "profile": args.profile or "(model default)",
-        "levels": levels,
+        "in_process_baseline": baseline, "levels": levels,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +180,10 @@ def main(argv=None) -> int:
     print("| concurrency | requests | tokens | throughput (tok/s) | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) | "
           "tokens/step | instances used |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    if baseline:
+        print(f"| in-process, 1 at a time | {baseline['requests']} | {baseline['new_tokens']} | "
+              f"{baseline['throughput_tok_s']:.1f} | {baseline['ttft_p50_ms']:.1f} / – | {baseline['tpot_p50_ms']:.2f} / – | "
+              f"| |")
     for lv in levels:
         print(f"| {lv['concurrency']} | {lv['requests']} | {lv['new_tokens']} | {lv['throughput_tok_s']:.1f} | "
               f"{lv['ttft_p50_ms']:.1f} / {lv['ttft_p99_ms']:.1f} | {lv['tpot_p50_ms']:.2f} / {lv['tpot_p99_ms']:.2f} | "
