@@ -123,9 +123,31 @@ def in_process_baseline(artifact, prompts, n, max_new_tokens, profile, threads) 
             "tpot_p50_ms": 1e3 * percentile(tpot, 50)}
 
 
+def render(report: dict) -> str:
+    """The markdown of one run (what --out keeps, as JSON)."""
+    m = report["machine"]
+    lines = [f"`{report['command']}`", "",
+             f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, ONNX Runtime {m['onnxruntime']}; Triton "
+             f"{report['triton']}; load average (1 min) {report['load_average_before'][0]:.2f} before, "
+             f"{report['load_average_after'][0]:.2f} after", "",
+             "| concurrency | requests | tokens | throughput (tok/s) | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) | "
+             "tokens/step | instances used |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base = report.get("in_process_baseline")
+    if base:
+        lines.append(f"| in-process, 1 at a time | {base['requests']} | {base['new_tokens']} | "
+                     f"{base['throughput_tok_s']:.1f} | {base['ttft_p50_ms']:.1f} / – | {base['tpot_p50_ms']:.2f} / – | "
+                     "– | – |")
+    for lv in report["levels"]:
+        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['new_tokens']} | {lv['throughput_tok_s']:.1f} | "
+                     f"{lv['ttft_p50_ms']:.1f} / {lv['ttft_p99_ms']:.1f} | {lv['tpot_p50_ms']:.2f} / "
+                     f"{lv['tpot_p99_ms']:.2f} | {lv['compression']:.2f} | {len(lv['instances_used'])} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("artifact")
+    ap.add_argument("artifact", nargs="?")
     ap.add_argument("--dataset", default="stories", help="stories (built-in openings), mt_bench, humaneval, gsm8k")
     ap.add_argument("--prompts", type=int, default=16, help="distinct prompts, cycled")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -136,7 +158,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="engine threads per instance (0: the engine's default)")
     ap.add_argument("--baseline", type=int, default=4, help="requests run in-process first, one at a time (0: none)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--render", type=Path, default=None, help="print the markdown of a saved --out JSON and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
 
     from lade_export.serving.local import LocalTritonServer
     from lade_export.serving.repository import write_model_repository
@@ -175,19 +201,7 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{report['command']}\n{report['machine']['cpu']}, {report['machine']['cores']} cores; Triton "
-          f"{triton_version}; load average {load_before[0]:.2f} before, {report['load_average_after'][0]:.2f} after\n")
-    print("| concurrency | requests | tokens | throughput (tok/s) | TTFT p50 / p99 (ms) | per-token p50 / p99 (ms) | "
-          "tokens/step | instances used |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    if baseline:
-        print(f"| in-process, 1 at a time | {baseline['requests']} | {baseline['new_tokens']} | "
-              f"{baseline['throughput_tok_s']:.1f} | {baseline['ttft_p50_ms']:.1f} / – | {baseline['tpot_p50_ms']:.2f} / – | "
-              f"| |")
-    for lv in levels:
-        print(f"| {lv['concurrency']} | {lv['requests']} | {lv['new_tokens']} | {lv['throughput_tok_s']:.1f} | "
-              f"{lv['ttft_p50_ms']:.1f} / {lv['ttft_p99_ms']:.1f} | {lv['tpot_p50_ms']:.2f} / {lv['tpot_p99_ms']:.2f} | "
-              f"{lv['compression']:.2f} | {len(lv['instances_used'])} |")
+    print(render(report))
     return 0
 
 
