@@ -127,31 +127,35 @@ async def stream_generate(client, model_name: str, *, request_id: str = "", canc
     out.sent_s = time.perf_counter()
     responses = client.stream_infer(requests())
     pieces = []
-    try:
-        async for result, error in responses:
-            now = time.perf_counter()
-            if error is not None:
-                out.error = error.message() if hasattr(error, "message") else str(error)
-                break
-            text = result.as_numpy("text")
-            ids = result.as_numpy("token_ids")
-            reason = result.as_numpy("stop_reason")
-            stats = result.as_numpy("stats")
-            pieces.append(text[0].decode("utf-8") if text is not None and text.size else "")
-            new = [] if ids is None else [int(t) for t in ids.reshape(-1)]
-            out.token_ids += new
-            out.response_s.append(now)
-            out.response_tokens.append(len(new))
-            if reason is not None and reason.size and reason[0]:
-                out.stop_reason = reason[0].decode()
-                out.stats = json.loads(stats[0]) if stats is not None and stats.size and stats[0] else None
-                break
-            if cancel_after is not None and len(out.response_s) >= cancel_after:
-                responses.cancel()
-                out.cancelled = True
-                break
-    finally:
-        if not out.cancelled:
-            responses.cancel()  # end the stream (a no-op once the server closed it)
+    done = False
+    # Read to the end of the stream: the request iterator is exhausted after one request
+    # (the client half-closes) and the server closes the stream after the final response.
+    # Cancelling the call after a final response instead made Triton 2.51 keep the model
+    # live at shutdown (until its exit timeout).
+    async for result, error in responses:
+        now = time.perf_counter()
+        if done:
+            continue
+        if error is not None:
+            out.error = error.message() if hasattr(error, "message") else str(error)
+            done = True
+            continue
+        text = result.as_numpy("text")
+        ids = result.as_numpy("token_ids")
+        reason = result.as_numpy("stop_reason")
+        stats = result.as_numpy("stats")
+        pieces.append(text[0].decode("utf-8") if text is not None and text.size else "")
+        new = [] if ids is None else [int(t) for t in ids.reshape(-1)]
+        out.token_ids += new
+        out.response_s.append(now)
+        out.response_tokens.append(len(new))
+        if reason is not None and reason.size and reason[0]:
+            out.stop_reason = reason[0].decode()
+            out.stats = json.loads(stats[0]) if stats is not None and stats.size and stats[0] else None
+            done = True
+        elif cancel_after is not None and len(out.response_s) >= cancel_after:
+            responses.cancel()  # cancels the request on the server; the iteration ends here
+            out.cancelled = True
+            break
     out.text = "".join(pieces)
     return out

@@ -8,8 +8,10 @@ model instance. It is only an adapter: request tensors are parsed and responses 
 
 * ``initialize`` loads the artifact named by the ``artifact_dir`` parameter once per
   instance (a relative path is read from the version directory).
-* ``execute`` hands each request to a worker thread and returns at once (decoupled
-  model); up to ``max_concurrent_requests`` requests decode at once per instance.
+* ``execute`` parses each request and opens its stream (a bad request is answered with
+  its error response right there), hands the decoding to a worker thread and returns
+  (decoupled model); up to ``max_concurrent_requests`` requests decode at once per
+  instance. A bad request so never waits for a free worker to get its error.
 * each decode step becomes one response; the last one carries ``stop_reason``,
   ``stats`` and the final flag.
 * a client cancellation (``is_cancelled``) stops the request before its next step and
@@ -69,7 +71,13 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self._serve, request)
+            try:
+                started = self._start(request)  # bad requests are answered here, before execute returns
+            except Exception as err:  # the error response itself failed (client gone): nothing to answer
+                pb_utils.Logger.log_error(f"{self.instance}: cannot answer a request: {type(err).__name__}: {err}")
+                continue
+            if started is not None:
+                self.pool.submit(self._serve, *started)
         return None
 
     # -- one request -----------------------------------------------------------------------
@@ -81,22 +89,29 @@ class TritonPythonModel:
     def _fail(self, sender, message, code):
         sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
 
-    def _serve(self, request):
+    def _start(self, request):
+        """Parse a request and open its stream; answer it with an error response instead
+        when it is bad. Returns (sender, request id, parsed request, stream) or None."""
         sender = request.get_response_sender()
         rid = request.request_id() or "-"
         try:
             if self.closing.is_set():
                 self._fail(sender, "the model is unloading", pb_utils.TritonError.UNAVAILABLE)
-                return
-            try:
-                req = self.protocol.parse_request(lambda name: self._input(request, name), self.settings)
-                stream = self.model.stream(req.prompt, **req.stream_kwargs(self.settings))
-            except self.LadeError as err:
-                pb_utils.Logger.log_info(f"{self.instance}: request {rid} rejected: {err}")
-                self._fail(sender, str(err), pb_utils.TritonError.INVALID_ARG)
-                return
-            self._decode(sender, rid, req, stream)
+                return None
+            req = self.protocol.parse_request(lambda name: self._input(request, name), self.settings)
+            return sender, rid, req, self.model.stream(req.prompt, **req.stream_kwargs(self.settings))
+        except self.LadeError as err:
+            pb_utils.Logger.log_info(f"{self.instance}: request {rid} rejected: {err}")
+            self._fail(sender, str(err), pb_utils.TritonError.INVALID_ARG)
         except Exception as err:  # never let one request take the instance down
+            pb_utils.Logger.log_error(f"{self.instance}: request {rid} failed: {type(err).__name__}: {err}")
+            self._fail(sender, f"internal error: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def _serve(self, sender, rid, req, stream):
+        try:
+            self._decode(sender, rid, req, stream)
+        except Exception as err:  # an engine failure ends this request only
             pb_utils.Logger.log_error(f"{self.instance}: request {rid} failed: {type(err).__name__}: {err}")
             try:
                 self._fail(sender, f"internal error: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL)
