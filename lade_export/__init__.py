@@ -10,6 +10,9 @@ Runtime (no PyTorch, no transformers): :func:`load` an artifact, then
 Export time (the ``export`` extra): :mod:`.model_source`, :mod:`.graph` (step module,
 export, parity), :mod:`.build`, :mod:`.check`; benchmarks :mod:`.compare`, :mod:`.tune`;
 the command line :mod:`.cli`.
+
+Serving: :mod:`.serving` writes a Triton Inference Server model repository
+(``lade-export triton``) whose Python-backend model streams each request's decode steps.
 """
 
 __version__ = "0.2.0"

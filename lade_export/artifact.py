@@ -76,12 +76,16 @@ class _Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def atomic_directory(out: str | Path, force: bool = False):
+def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANIFEST,
+                     what: str = "a lade-export build"):
     """Yield a temporary directory that becomes ``out`` when the block succeeds.
 
     Args:
         out: final directory path.
         force: replace an existing ``out`` (only after the new build completed).
+        marker: the file that proves an existing ``out`` was written by lade-export
+            (``--force`` replaces nothing without it).
+        what: how the error names such a directory.
 
     Raises:
         ArtifactError: ``out`` exists and ``force`` is false; ``out`` exists but is not a
@@ -97,8 +101,8 @@ def atomic_directory(out: str | Path, force: bool = False):
     if out.exists():
         if not force:
             raise ArtifactError(f"{out} already exists; pass --force to replace it")
-        if not (out.is_dir() and (out / MANIFEST).is_file()):
-            raise ArtifactError(f"refusing to replace {out}: it is not a lade-export build (no {MANIFEST})")
+        if not (out.is_dir() and (out / marker).is_file()):
+            raise ArtifactError(f"refusing to replace {out}: it is not {what} (no {marker})")
     if out.parent.exists() and not out.parent.is_dir():
         raise ArtifactError(f"parent of --out is not a directory: {out.parent}")
     out.parent.mkdir(parents=True, exist_ok=True)

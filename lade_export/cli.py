@@ -646,5 +646,43 @@ def inspect(artifact_dir, as_json):
                       f"{e.get('tensorrt_version')}{flags})")
 
 
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--out", "repository", required=True, type=click.Path(path_type=Path),
+              help="Triton model repository (created if missing; other models in it are kept).")
+@click.option("--name", default=None, help="Model name (default: from the artifact's source model).")
+@click.option("--instances", type=int, default=1, show_default=True,
+              help="Model instances (one Triton stub process each; per GPU with --device cuda).")
+@click.option("--profile", "profile_values", multiple=True,
+              help="Profile clients may name (repeatable; the first is the default; default: the artifact's). "
+                   "'greedy' is always served.")
+@click.option("--backend", type=click.Choice(["ort", "tensorrt"]), default="ort", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Default: cpu for ort, cuda for tensorrt.")
+@click.option("--max-new-tokens-limit", type=int, default=None,
+              help="Most new tokens a request may ask for (default: the context minus one).")
+@click.option("--default-max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="For requests without max_new_tokens (default: min(256, limit)).")
+@click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests one instance decodes at once (more wait).")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Engine threads per instance (0: the engine's default).")
+@click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository instead of referencing it.")
+@click.option("--artifact-path", default=None, help="The artifact's path as the server sees it (a mounted volume).")
+@click.option("--force", is_flag=True, help="Replace REPO/NAME if this command wrote it.")
+def triton(artifact_dir, repository, name, instances, profile_values, backend, device, max_new_tokens_limit,
+           default_max_new_tokens, max_concurrent_requests, threads, copy_artifact, artifact_path, force):
+    """Write a Triton Inference Server model (Python backend, streamed responses) for an artifact
+    (docs/serving.md)."""
+    from .serving.repository import write_model_repository
+
+    out = write_model_repository(
+        artifact_dir, repository, name=name, instances=instances, profiles=profile_values, backend=backend,
+        device=device, max_new_tokens_limit=max_new_tokens_limit, default_max_new_tokens=default_max_new_tokens,
+        max_concurrent_requests=max_concurrent_requests, threads=threads, copy_artifact=copy_artifact,
+        artifact_path=artifact_path, force=force)
+    click.echo(f"wrote {out} (model {out.name!r}); serve with: tritonserver --model-repository {out.parent}")
+
+
 if __name__ == "__main__":
     main()

@@ -50,3 +50,7 @@ class CheckFailedError(LadeError):
     """A numerical check failed: parity beyond tolerance, or lookahead output differing from greedy."""
 
     exit_code = 1
+
+
+class ServingError(LadeError):
+    """A Triton model repository cannot be written, or a served model's parameters are invalid."""

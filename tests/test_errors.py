@@ -151,6 +151,18 @@ def _compare(t, a, *extra):
     prompts = _jsonl(t, json.dumps({"prompt": "Once upon a time"}) + "\n")
     return ["compare", a, "--dataset", prompts, "--limit", 1, "--max-new-tokens", 4, "--out", t / "o", *extra]
 
+def _triton_repo(tmp, art):
+    from lade_export.serving.repository import write_model_repository
+
+    write_model_repository(art, tmp / "repo", name="m")
+    return tmp / "repo"
+
+
+def _foreign_model(tmp):
+    d = tmp / "repo" / "m"
+    d.mkdir(parents=True)
+    (d / "config.pbtxt").write_text('backend: "onnxruntime"\n')  # someone else's model
+    return tmp / "repo"
 
 # (id, builder(tmp, stories_dir, artifact) -> argv, exit code, message substring)
 CASES = [
@@ -284,6 +296,24 @@ CASES = [
         t, a, "--peer", "llama.cpp-greedy", "--llama-gguf", s / "llama2c" / "stories260K.gguf", "--llama-cpp",
         _fake_llama_cpp(t, "#!/bin/sh\necho 'Illegal instruction' >&2\nkill -ILL $$\n")), 1,
      "llama-completion failed with exit status -4 (SIGILL): Illegal instruction"),
+    ("triton-out-exists", lambda t, s, a: ["triton", a, "--out", _triton_repo(t, a), "--name", "m"], 2,
+     "already exists; pass --force to replace it"),
+    ("triton-force-not-ours", lambda t, s, a: ["triton", a, "--out", _foreign_model(t), "--name", "m", "--force"], 2,
+     "it is not a model written by lade-export triton (no lade_export.json)"),
+    ("triton-bad-name", lambda t, s, a: ["triton", a, "--out", t / "repo", "--name", "../x"], 2,
+     "model name '../x' must be letters, digits, '.', '_' or '-' (it names a directory)"),
+    ("triton-instances", lambda t, s, a: ["triton", a, "--out", t / "repo", "--instances", 0], 2,
+     "--instances must be ≥ 1, got 0"),
+    ("triton-no-engines", lambda t, s, a: ["triton", a, "--out", t / "repo", "--backend", "tensorrt"], 2,
+     "has no TensorRT engines; build it with --engine tensorrt, or serve with --backend ort"),
+    ("triton-limit", lambda t, s, a: ["triton", a, "--out", t / "repo", "--max-new-tokens-limit", 600], 2,
+     "--max-new-tokens-limit must be between 1 and 511 (the model's context is 512 tokens), got 600"),
+    ("triton-greedy-reserved", lambda t, s, a: ["triton", a, "--out", t / "repo", "--profile",
+                                                 _profile(t, 'name = "greedy"\n[lookahead]\nwindow=2\nngram=3\nguesses=2\n')],
+     2, "profile name 'greedy' is reserved: on the server it means plain greedy decoding"),
+    ("triton-path-and-copy", lambda t, s, a: ["triton", a, "--out", t / "repo", "--artifact-path", "/p",
+                                               "--copy-artifact"], 2,
+     "give --artifact-path or --copy-artifact, not both"),
 ]
 
 

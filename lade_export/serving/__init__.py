@@ -1,0 +1,17 @@
+"""Serving built artifacts behind NVIDIA Triton Inference Server.
+
+* :mod:`.protocol` — the request/response contract of the served model (tensor names,
+  dtypes, shapes), request parsing and chunk → response mapping; pure Python + numpy,
+  shared by the model, the clients and the docs test.
+* :mod:`.repository` — ``lade-export triton``: writes ``REPO/<name>/config.pbtxt``,
+  ``REPO/<name>/1/model.py`` and ``REPO/<name>/lade_export.json``.
+* ``triton_model.py`` — the Python-backend model copied to ``REPO/<name>/1/model.py``: a
+  thin adapter between ``triton_python_backend_utils`` and :mod:`.protocol`.
+* :mod:`.local` — runs the ``tritonserver`` binary bundled in the ``nvidia-pytriton``
+  wheel on this machine (tests, benchmarks, development); production uses the NGC
+  container (docs/serving.md).
+* :mod:`.client` — a small asyncio streaming client on ``tritonclient.grpc.aio``.
+
+Nothing here imports PyTorch; :mod:`.client` needs ``tritonclient[grpc]`` (the ``serve``
+extra) and :mod:`.local` the ``nvidia-pytriton`` wheel.
+"""

@@ -1,0 +1,142 @@
+"""Triton Python-backend model serving a lade-export artifact with streamed lookahead decoding.
+
+Written into ``REPO/<name>/<version>/model.py`` by ``lade-export triton`` (the template
+is ``lade_export/serving/triton_model.py``); Triton runs it in one stub process per
+model instance. It is only an adapter: request tensors are parsed and responses built by
+:mod:`lade_export.serving.protocol`, the decoding is :func:`lade_export.load` /
+``Model.stream`` — this file is where the runtime's API meets Triton's.
+
+* ``initialize`` loads the artifact named by the ``artifact_dir`` parameter once per
+  instance (a relative path is read from the version directory).
+* ``execute`` parses each request and opens its stream (a bad request is answered with
+  its error response right there), hands the decoding to a worker thread and returns
+  (decoupled model); up to ``max_concurrent_requests`` requests decode at once per
+  instance. A bad request so never waits for a free worker to get its error.
+* each decode step becomes one response; the last one carries ``stop_reason``,
+  ``stats`` and the final flag.
+* a client cancellation (``is_cancelled``) stops the request before its next step and
+  frees its KV cache; a bad request gets an INVALID_ARG error response and the instance
+  keeps serving.
+
+Needs ``lade_export`` (and its runtime dependencies) importable by the Python that runs
+the stub; see docs/serving.md.
+"""
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    """One model instance: an artifact, its engine and a pool of request threads."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("this model streams: its config needs model_transaction_policy "
+                                                "{ decoupled: true }")
+        params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        if params.get("device") == "cuda" and args["model_instance_kind"] == "GPU":
+            # Triton starts one stub process per instance: pin it to the instance's GPU
+            # before the engine initializes CUDA.
+            os.environ["CUDA_VISIBLE_DEVICES"] = args["model_instance_device_id"]
+
+        import lade_export
+        from lade_export.errors import LadeError
+        from lade_export.serving import protocol
+
+        self.protocol = protocol
+        self.LadeError = LadeError
+        self.instance = args["model_instance_name"]
+        try:
+            self.settings = protocol.ServingSettings.from_parameters(params)
+            artifact = Path(self.settings.artifact_dir)
+            if not artifact.is_absolute():
+                artifact = Path(args["model_repository"]) / args["model_version"] / artifact
+            self.model = lade_export.load(artifact, backend=self.settings.backend, threads=self.settings.threads or None,
+                                          device=self.settings.device, verify=self.settings.verify)
+        except LadeError as err:
+            raise pb_utils.TritonModelException(str(err)) from None
+        self.closing = threading.Event()
+        self.pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests,
+                                       thread_name_prefix=f"lade-{self.instance}")
+        pb_utils.Logger.log_info(f"{self.instance}: loaded {artifact} on {self.settings.backend}/{self.settings.device} "
+                                 f"in {self.model.load_s:.2f}s; profiles {', '.join(self.settings.profile_names)}")
+
+    def execute(self, requests):
+        for request in requests:
+            try:
+                started = self._start(request)  # bad requests are answered here, before execute returns
+            except Exception as err:  # the error response itself failed (client gone): nothing to answer
+                pb_utils.Logger.log_error(f"{self.instance}: cannot answer a request: {type(err).__name__}: {err}")
+                continue
+            if started is not None:
+                self.pool.submit(self._serve, *started)
+        return None
+
+    # -- one request -----------------------------------------------------------------------
+
+    def _input(self, request, name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _fail(self, sender, message, code):
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+
+    def _start(self, request):
+        """Parse a request and open its stream; answer it with an error response instead
+        when it is bad. Returns (sender, request id, parsed request, stream) or None."""
+        sender = request.get_response_sender()
+        rid = request.request_id() or "-"
+        try:
+            if self.closing.is_set():
+                self._fail(sender, "the model is unloading", pb_utils.TritonError.UNAVAILABLE)
+                return None
+            req = self.protocol.parse_request(lambda name: self._input(request, name), self.settings)
+            return sender, rid, req, self.model.stream(req.prompt, **req.stream_kwargs(self.settings))
+        except self.LadeError as err:
+            pb_utils.Logger.log_info(f"{self.instance}: request {rid} rejected: {err}")
+            self._fail(sender, str(err), pb_utils.TritonError.INVALID_ARG)
+        except Exception as err:  # never let one request take the instance down
+            pb_utils.Logger.log_error(f"{self.instance}: request {rid} failed: {type(err).__name__}: {err}")
+            self._fail(sender, f"internal error: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def _serve(self, sender, rid, req, stream):
+        try:
+            self._decode(sender, rid, req, stream)
+        except Exception as err:  # an engine failure ends this request only
+            pb_utils.Logger.log_error(f"{self.instance}: request {rid} failed: {type(err).__name__}: {err}")
+            try:
+                self._fail(sender, f"internal error: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL)
+            except Exception:
+                pass
+
+    def _decode(self, sender, rid, req, stream):
+        extra = {"profile": req.profile, "instance": self.instance}
+        new_tokens = 0
+        with stream:  # leaving the block frees the request's KV cache
+            for chunk in stream:
+                if sender.is_cancelled() or self.closing.is_set():
+                    why = "cancelled by the client" if sender.is_cancelled() else "stopped: the model is unloading"
+                    pb_utils.Logger.log_info(f"{self.instance}: request {rid} {why} after {new_tokens} new tokens "
+                                             f"(max_new_tokens {req.max_new_tokens})")
+                    self._fail(sender, f"request {why}", pb_utils.TritonError.CANCELLED)
+                    return
+                new_tokens += len(chunk.token_ids)
+                outputs = self.protocol.chunk_outputs(chunk, extra if chunk.final else None)
+                response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
+                sender.send(response, flags=FINAL if chunk.final else 0)
+                if chunk.final:
+                    return
+
+    def finalize(self):
+        self.closing.set()
+        self.pool.shutdown(wait=True)
+        self.model.close()
