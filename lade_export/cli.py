@@ -406,7 +406,8 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
         tags = [t for t, _, _ in extra_engines]
         tag = tag if tag not in tags and tag != artifact.manifest["graph"].get("precision", "fp32") else path.name
         default = other[0].default_profile()
-        use = [default] if default is not None and default.enabled and other[2].lookahead_exact else []
+        use = [] if not other[2].lookahead_exact else [default] if default is not None and default.enabled else \
+            [p for p in profiles if p.enabled]  # a greedy default: still measure the compared profiles there
         extra_engines.append((tag, other[2], use))
     total = sum(counts) * (1 + len(profiles) + (len(peer_set.names) if peer_set else 0)
                            + sum(1 + len(p) for _, _, p in extra_engines))

@@ -20,7 +20,7 @@ def test_check_passes_on_stories(stories_artifact):
     result = run_check(stories_artifact)
     assert result.exit_code == 0, result.output
     assert "check passed" in result.stdout
-    assert "lookahead W5 N4 G5" in result.stdout and "lookahead W2 N3 G2" in result.stdout
+    assert "lookahead W1 N3 G2" in result.stdout and "lookahead W2 N3 G2" in result.stdout
 
 
 def _copy(src, tmp_path):

@@ -27,7 +27,8 @@ def test_invalid_values_are_rejected_on_construction(w, n, g, message):
 
 
 def test_bundled_profiles_load_and_round_trip(tmp_path):
-    for name, expected in {"default": (5, 4, 5), "small": (2, 3, 2), "paper": (7, 5, 7), "gpu-large": (15, 5, 15)}.items():
+    for name, expected in {"default": (1, 3, 2), "wide": (5, 4, 5), "small": (2, 3, 2), "paper": (7, 5, 7),
+                           "gpu-large": (15, 5, 15)}.items():
         p = resolve_profile(name)
         assert (p.window, p.ngram, p.guesses) == expected
         assert p.name == name

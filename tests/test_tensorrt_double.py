@@ -60,18 +60,18 @@ def _build(out: Path, stories_dir, version: str, *extra, kinds=("full",)):
 
 @pytest.fixture(scope="session")
 def art10(tmp_path_factory, stories_dir):
-    """TensorRT 10, fp16, engines small (step ≤ 9) then default (step ≤ 31), version-compatible."""
+    """TensorRT 10, fp16, engines small (step ≤ 9) then wide (step ≤ 31), version-compatible."""
     out = tmp_path_factory.mktemp("trt10") / "art"
-    state = _build(out, stories_dir, V10, "--precision", "fp16", "--profile", "small", "--profile", "default",
+    state = _build(out, stories_dir, V10, "--precision", "fp16", "--profile", "small", "--profile", "wide",
                    "--version-compatible")
     return out, state
 
 
 @pytest.fixture(scope="session")
 def art11(tmp_path_factory, stories_dir):
-    """TensorRT 11, fp16, engine default (not version-compatible)."""
+    """TensorRT 11, fp16, engine wide (not version-compatible)."""
     out = tmp_path_factory.mktemp("trt11") / "art"
-    state = _build(out, stories_dir, V11, "--precision", "fp16", "--profile", "default")
+    state = _build(out, stories_dir, V11, "--precision", "fp16", "--profile", "wide")
     return out, state
 
 
@@ -105,7 +105,7 @@ def test_tensorrt11_builds_fp16_as_a_strongly_typed_network_from_a_float16_expor
 
 def test_tensorrt10_builds_fp16_with_the_builder_flag_on_the_float32_graph(art10):
     out, state = art10
-    assert [b["profiles"][1]["input_ids"][2][1] for b in state.builds] == [9, 31]  # small, then default
+    assert [b["profiles"][1]["input_ids"][2][1] for b in state.builds] == [9, 31]  # small, then wide
     for build in state.builds:
         assert not build["strongly_typed"] and build["precision_flags"] == ["FP16"]
         assert build["weight_dtypes"] == ["FLOAT"] and build["version_compatible"]
@@ -144,7 +144,7 @@ def test_timing_cache_is_written_and_reused_and_progress_is_reported(tmp_path, s
         assert first.exit_code == 0, first.output
         assert cache.read_bytes() == b"TRTCACHE1"
         second = invoke("build", "--model", stories_dir, "--engine", "tensorrt", "--profile", "small",
-                        "--profile", "default", "--timing-cache", cache, "--out", tmp_path / "b")
+                        "--profile", "wide", "--timing-cache", cache, "--out", tmp_path / "b")
         assert second.exit_code == 0
         assert cache.read_bytes() == b"TRTCACHE3"  # one entry per build, accumulated across builds
     assert "TensorRT Building engine 0/2" in first.stderr and "TensorRT Building engine 2/?" in first.stderr
@@ -213,7 +213,7 @@ def ModelDimsOf(art):  # noqa: N802 - reads like a type
 def test_dry_run_prints_the_precision_plan_for_10_and_11_without_tensorrt(tmp_path, stories_dir, monkeypatch):
     install(monkeypatch, version=None)
     result = invoke("build", "--model", stories_dir, "--engine", "tensorrt", "--dry-run", "--profile", "small",
-                    "--profile", "default", "--out", tmp_path / "x")
+                    "--profile", "wide", "--out", tmp_path / "x")
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert text.count("  precision plan (no TensorRT installed):") == 2
@@ -243,7 +243,7 @@ def test_generate_through_tensorrt_gives_the_oracle_tokens(art10, reference_gree
     with lade_export.load(out, "tensorrt") as model:
         model.decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
         for case in reference_greedy["cases"]:
-            for profile in ("default", "small", None):
+            for profile in ("wide", "small", None):
                 result = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile,
                                         lookahead=profile is not None)
                 assert result.token_ids == case["greedy_ids"], (case["prompt"], profile)
@@ -254,15 +254,15 @@ def test_generate_through_tensorrt_gives_the_oracle_tokens(art10, reference_gree
 def test_generate_runs_lookahead_steps_on_the_engine_that_covers_the_profile(art10, monkeypatch):
     out, _ = art10
     state = install(monkeypatch, version=V10)
-    result = invoke("generate", out, "--backend", "tensorrt", "--profile", "default", "--prompt", "Once upon a time",
+    result = invoke("generate", out, "--backend", "tensorrt", "--profile", "wide", "--prompt", "Once upon a time",
                     "--max-new-tokens", 60)
     assert result.exit_code == 0, result.output
-    # the artifact's first engine is "small" (steps ≤ 9); default's steps of 31 tokens need the second
+    # the artifact's first engine is "small" (steps ≤ 9); wide's steps of 31 tokens need the second
     assert [d["decode_max_step"] for d in state.deserialized] == [31]
     assert {(e["decode_max_step"], e["profile"]) for e in state.executions} == {(31, 0), (31, 1)}
     assert 9 < max(e["step"] for e in state.executions if e["past"] > 0) <= 31
     assert "[tensorrt] TensorRT 10.16.1.11 full runtime (tensorrt) on GPU 0 (compute capability 9.0); engines used: " \
-           "default" in result.stderr
+           "wide" in result.stderr
     small = invoke("generate", out, "--backend", "tensorrt", "--profile", "small", "--prompt", "Once upon a time",
                    "--max-new-tokens", 20)
     assert small.exit_code == 0 and "engines used: small" in small.stderr
@@ -276,7 +276,7 @@ def test_a_profile_no_engine_covers_is_refused_naming_the_limits(art10, monkeypa
     assert result.exit_code == 2
     assert one_line(result) == (
         "error: profile 'paper' needs steps of up to 57 tokens (36 logit rows), more than any TensorRT engine here "
-        "covers (small: steps ≤ 9, ≤ 7 logit rows; default: steps ≤ 31, ≤ 21 logit rows); rebuild with --engine "
+        "covers (small: steps ≤ 9, ≤ 7 logit rows; wide: steps ≤ 31, ≤ 21 logit rows); rebuild with --engine "
         "tensorrt --profile paper")
 
 
@@ -381,7 +381,7 @@ def test_the_lean_runtime_refuses_engines_built_without_version_compatible(art11
     result = invoke("generate", out, "--backend", "tensorrt", "--prompt", "hi")
     assert result.exit_code == 2
     assert one_line(result) == (
-        "error: engines/default.plan was built without --version-compatible, which the lean runtime (tensorrt_lean) "
+        "error: engines/wide.plan was built without --version-compatible, which the lean runtime (tensorrt_lean) "
         "needs; rebuild with --version-compatible, or install the full TensorRT (pip install 'lade-export[tensorrt]')")
 
 
@@ -393,15 +393,15 @@ def test_tensorrt11_fp16_engine_decodes_lookahead_equal_to_greedy(art11, referen
     with lade_export.load(out, "tensorrt") as model:
         case = reference_greedy["cases"][1]
         greedy = model.generate(case["prompt_ids"], max_new_tokens=64, lookahead=False)
-        ahead = model.generate(case["prompt_ids"], max_new_tokens=64, profile="default")
+        ahead = model.generate(case["prompt_ids"], max_new_tokens=64, profile="wide")
     assert ahead.token_ids == greedy.token_ids and len(greedy.token_ids) > 20
     assert ahead.stats.steps < greedy.stats.steps
 
 
 @pytest.mark.parametrize("runtime_version,message", [
-    ("10.8.0.43", "error: engine engines/default.plan was built with TensorRT 11.4.0.106 and needs this exact version; "
+    ("10.8.0.43", "error: engine engines/wide.plan was built with TensorRT 11.4.0.106 and needs this exact version; "
                   "this runtime is 10.8.0.43: rebuild it here (or build with --version-compatible)"),
-    ("11.4.1.2", "error: engine engines/default.plan was built with TensorRT 11.4.0.106 and needs this exact version; "
+    ("11.4.1.2", "error: engine engines/wide.plan was built with TensorRT 11.4.0.106 and needs this exact version; "
                  "this runtime is 11.4.1.2: rebuild it here (or build with --version-compatible)"),
 ])
 def test_an_engine_of_another_tensorrt_version_is_refused(art11, monkeypatch, runtime_version, message):
@@ -416,7 +416,7 @@ def test_an_engine_for_another_gpu_is_refused_unless_hardware_compatible(art11, 
     install(monkeypatch, version=V11, gpu=FakeGpu(capability=(8, 9)))
     result = invoke("generate", out, "--backend", "tensorrt", "--prompt", "hi")
     assert result.exit_code == 2
-    assert one_line(result) == ("error: engine engines/default.plan was built for compute capability 9.0, this GPU is "
+    assert one_line(result) == ("error: engine engines/wide.plan was built for compute capability 9.0, this GPU is "
                                 "8.9; rebuild it here or with --hardware-compatible")
 
 
@@ -446,7 +446,7 @@ def test_an_unknown_engine_name_and_a_runtime_kind_that_is_not_installed(art10, 
 
     out, _ = art10
     install(monkeypatch, version=V10)
-    with pytest.raises(ArtifactError, match=r"has no TensorRT engine 'paper'; it has small, default$"):
+    with pytest.raises(ArtifactError, match=r"has no TensorRT engine 'paper'; it has small, wide$"):
         TensorRTEngine(Artifact(out), engine="paper")
     with pytest.raises(BackendUnavailableError, match=r"^the TensorRT dispatch runtime is not installed; the lean"):
         TensorRTEngine(Artifact(out), runtime="dispatch")
@@ -580,7 +580,7 @@ def test_check_runs_every_engine_on_the_feeds_its_profiles_cover(art10, monkeypa
     assert result.exit_code == 0, result.output
     assert "check passed" in result.stdout
     assert "note: tensorrt:small: no optimization profile covers lookahead W5 N4 G5; not run there" in result.stdout
-    for name in ("tensorrt:small", "tensorrt:default"):
+    for name in ("tensorrt:small", "tensorrt:wide"):
         assert f"{name}" in result.stdout
     # prefill feeds in the prefill profile, every step with a cache in the decode profile
     assert state.executions and all((e["past"] == 0) == (e["profile"] == 0) for e in state.executions)
@@ -593,7 +593,7 @@ def test_check_bounds_reduced_precision_engines_relatively(art11, monkeypatch):
     install(monkeypatch, version=V11)
     result = invoke("check", out)
     assert result.exit_code == 0, result.output
-    assert "tensorrt:default" in result.stdout and "check passed" in result.stdout
+    assert "tensorrt:wide" in result.stdout and "check passed" in result.stdout
 
 
 def test_check_without_a_tensorrt_runtime_says_the_engines_were_not_checked(art10, monkeypatch):
@@ -613,7 +613,7 @@ def test_check_fails_naming_the_engine_output_and_case_that_differ(art10, monkey
     assert result.exit_code == 1
     line = one_line(result)
     assert line.startswith("error: check failed: tensorrt:small: output logits differs from PyTorch at ")
-    assert "tensorrt:default: output logits differs from PyTorch at " in line
+    assert "tensorrt:wide: output logits differs from PyTorch at " in line
     for part in line.split("; "):  # every named case ran in the decode profile, where the logits were wrong
         assert part.split(" at ", 1)[1].split(":")[0].endswith("(decode)"), part
 

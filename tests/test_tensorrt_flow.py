@@ -44,7 +44,7 @@ def test_decode_profile_step_is_one_plus_window_and_guesses_times_levels(profile
 
 
 def test_defaults_use_the_model_context_and_half_of_it_for_prompts():
-    shapes = optimization_profiles(resolve_profile("default"), STORIES)
+    shapes = optimization_profiles(resolve_profile("wide"), STORIES)
     assert shapes["prefill"]["input_ids"]["max"] == [1, 256]
     assert shapes["decode"]["past_key_values.0.key"]["max"] == [1, 511, 4, 8]
     assert shapes["decode"]["attention_mask"]["max"] == [1, 1, 31, 542]
@@ -75,11 +75,11 @@ def test_engine_plans_name_files_after_profiles_and_refuse_duplicates():
 def test_dry_run_prints_two_engines_and_writes_nothing(tmp_path, stories_dir):
     out = tmp_path / "X"
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt", "--dry-run",
-                                       "--profile", "default", "--profile", "paper",
+                                       "--profile", "wide", "--profile", "paper",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     text = result.stdout
-    assert "engine engines/default.plan: profile default (W=5, N=4, G=5)" in text
+    assert "engine engines/wide.plan: profile wide (W=5, N=4, G=5)" in text
     assert "engine engines/paper.plan: profile paper (W=7, N=5, G=7)" in text
     assert text.count("optimization profile 0 (prefill):") == 2
     assert text.count("optimization profile 1 (decode):") == 2
