@@ -293,7 +293,7 @@ def test_a_cancelled_request_stops_early(stories_server, stories_model):
                                                         profile="greedy")], cancel_after=2))
     assert got.cancelled and len(got.response_s) == 2
     pattern = re.compile(r"request r0 cancelled by the client after (\d+) new tokens \(max_new_tokens 480\)")
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 90  # the instance logs it at its next step; slow on a loaded machine
     while not (found := pattern.search(stories_server.log_text())) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert found, stories_server.log_text()[-2000:]
@@ -387,7 +387,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path, stories_arti
         assert _group_members(int(server_pid)), "the server was not running"
         parent.kill()  # SIGKILL: no finalizer, no atexit in the parent
         parent.wait(timeout=10)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # the kernel delivers the parent-death signal; slow on a loaded machine
         while _group_members(int(server_pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _group_members(int(server_pid)) == []  # the parent-death signal took the server and its stubs
