@@ -148,3 +148,35 @@ def test_llama_cpp_peers_in_compare_on_stories(tmp_path, stories_dir, stories_ar
     assert "examples/lookahead as shipped (source not patched): W=15, N=5, G=15" in md
     assert "stories260K.gguf" in md
     assert "- **llama.cpp prompt ids**: identical to ours on 2/2 prompts" in md
+
+
+# ---------------------------------------------------------------- bench/gguf_to_f32.py
+
+
+@pytest.mark.slow
+def test_gguf_to_f32_keeps_metadata_and_dequantized_weights(tmp_path):
+    import importlib.util
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from lade_export.model_source import builtin_smollm2_path
+
+    spec = importlib.util.spec_from_file_location("gguf_to_f32", Path(__file__).parent.parent / "bench" / "gguf_to_f32.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    src = builtin_smollm2_path()
+    out = tmp_path / "f32.gguf"
+    script.convert(src, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f32.gguf"]
+    a, b = GGUFReader(str(src)), GGUFReader(str(out))
+    assert b.fields["general.file_type"].contents() == 0 and a.fields["general.file_type"].contents() == 3  # Q4_1
+    skip = {"general.file_type", "GGUF.kv_count", "GGUF.tensor_count", "GGUF.version"}
+    assert {k: f.contents() for k, f in a.fields.items() if k not in skip} == \
+        {k: f.contents() for k, f in b.fields.items() if k not in skip}
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert tb.tensor_type == GGMLQuantizationType.F32 and list(tb.shape) == list(ta.shape)
+        np.testing.assert_array_equal(np.asarray(tb.data), dequantize(ta.data, ta.tensor_type).reshape(tb.data.shape))
+    assert any(t.tensor_type == GGMLQuantizationType.Q4_1 for t in a.tensors)
