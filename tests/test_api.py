@@ -79,10 +79,11 @@ def _shortest_prefix_containing(tok, ids, stop):
 
 
 def test_stop_string_inside_a_block_accepted_in_one_step(model, reference_greedy):
+    # the "wide" profile (W=5, N=4, G=5) accepts blocks of several tokens on this prompt
     case = _oracle(reference_greedy, 1)
     tok = model.tokenizer
-    full = model.generate(case["prompt_ids"], max_new_tokens=128, profile="default")
-    chunks = list(model.stream(case["prompt_ids"], max_new_tokens=128, profile="default"))
+    full = model.generate(case["prompt_ids"], max_new_tokens=128, profile="wide")
+    chunks = list(model.stream(case["prompt_ids"], max_new_tokens=128, profile="wide"))
     # a block of ≥ 3 tokens whose 2nd+3rd tokens' text first appears there: a stop string
     # that completes in the middle of a block accepted in one step
     starts = [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
@@ -95,7 +96,7 @@ def test_stop_string_inside_a_block_accepted_in_one_step(model, reference_greedy
                 break
     assert found is not None
     block, n_before, stop = found
-    result = model.generate(case["prompt_ids"], max_new_tokens=128, profile="default", stop=stop)
+    result = model.generate(case["prompt_ids"], max_new_tokens=128, profile="wide", stop=stop)
     cut = n_before + 3
     assert result.stop_reason == "stop_string"
     assert result.token_ids == full.token_ids[:cut]
