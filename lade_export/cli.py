@@ -312,7 +312,8 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if profile is not None and not profile.enabled:
         profile = None
     mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
-        (f", K={profile.lookup})" if profile.lookup else ")") if profile else "no lookahead"
+        (f", K={profile.lookup}" + (f", B={profile.lookup_branches}" if profile.lookup_branches > 1 else "") + ")"
+         if profile.lookup else ")") if profile else "no lookahead"
     click.echo(f"[{mode}, {sampling.describe()}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
     if backend == "tensorrt":
         click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
@@ -525,7 +526,7 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
                   f"speedup {result.validation.speedup:.2f}x" if result.validation else ""))
     if result.chosen.enabled:
         click.echo(f"wrote {out}: W={result.chosen.window} N={result.chosen.ngram} G={result.chosen.guesses} "
-                   f"K={result.chosen.lookup}")
+                   f"K={result.chosen.lookup} B={result.chosen.lookup_branches}")
     else:
         click.echo(f"no profile beat greedy on this machine; wrote the greedy setting to {out}")
 
