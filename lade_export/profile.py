@@ -17,15 +17,19 @@ arXiv 2402.02057):
 
 One decode step then feeds at most ``1 + (W + G)·(N−1) + K·branches`` tokens: the last
 accepted token, the W×(N−1) window and the verification branch (candidates sharing a
-prefix share its tokens, as a trie). ``W = 0`` or ``N = 1`` is not a lookahead profile;
-plain greedy decoding is its own mode.
+prefix share its tokens, as a trie). ``W = 0`` drops the Jacobi window: a step holds the
+last token and the candidates only (pool n-grams seeded from the prompt and the accepted
+output, history lookup), and is a one-token step whenever no candidate applies — the shape
+that pays on engines whose multi-token steps cost much more than a one-token step (int4
+with float32 compute). ``N = 1`` is not a lookahead profile; plain greedy decoding is its
+own mode.
 
 TOML layout (``lade_export/profiles/default.toml``, shipped with the package)::
 
     name = "default"          # optional, defaults to the file stem
     description = "..."       # optional
     [lookahead]
-    window = 5                # W ≥ 1
+    window = 5                # W ≥ 0
     ngram = 4                 # N ≥ 2
     guesses = 5               # G ≥ 0
     lookup = 0                # K ≥ 0, optional
@@ -52,7 +56,7 @@ class LookaheadProfile:
     """A validated lookahead configuration (W, N, G).
 
     Attributes:
-        window: W, lookahead window width (≥ 1).
+        window: W, lookahead window width (≥ 0; 0: no Jacobi window).
         ngram: N, n-gram size (≥ 2); the window has N−1 levels.
         guesses: G, maximum verification candidates per step (≥ 0).
         name: a short label used in manifests, engine file names and reports.
@@ -80,7 +84,7 @@ class LookaheadProfile:
             raise ProfileError(
                 f"profile name {self.name!r} must be letters, digits, '.', '_' or '-' (it names engine files)"
             )
-        for key, low in (("window", 1), ("ngram", 2), ("guesses", 0), ("lookup", 0), ("lookup_branches", 1)):
+        for key, low in (("window", 0), ("ngram", 2), ("guesses", 0), ("lookup", 0), ("lookup_branches", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"profile {self.name!r}: {key} must be an integer, got {value!r}")

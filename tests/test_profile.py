@@ -14,7 +14,7 @@ def test_max_step_is_one_plus_window_and_guesses_times_levels():
 @pytest.mark.parametrize(
     "w,n,g,message",
     [
-        (0, 3, 2, "window (W) must be ≥ 1, got 0"),
+        (-1, 3, 2, "window (W) must be ≥ 0, got -1"),
         (2, 1, 2, "ngram (N) must be ≥ 2, got 1"),
         (2, 3, -1, "guesses (G) must be ≥ 0, got -1"),
         (2.5, 3, 2, "window must be an integer, got 2.5"),

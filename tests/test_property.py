@@ -10,7 +10,7 @@ from lade_export.profile import LookaheadProfile
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     body=st.lists(st.integers(min_value=3, max_value=511), min_size=0, max_size=24),
-    w=st.integers(1, 6),
+    w=st.integers(0, 6),
     n=st.integers(2, 5),
     g=st.integers(0, 6),
     k=st.sampled_from([0, 0, 3, 8]),

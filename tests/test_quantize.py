@@ -93,7 +93,7 @@ def test_lookahead_equals_greedy_on_the_int4_engine(stories_int4, reference_gree
     model.decoder.stop_token_ids = frozenset()
     for case in reference_greedy["cases"]:
         greedy = model.generate(case["prompt_ids"], max_new_tokens=128, lookahead=False)
-        for profile in ("default", "wide", "paper", "small", "2,3,2,6,2"):
+        for profile in ("default-int4", "default", "wide", "paper", "small", "2,3,2,6,2", "0,3,2,6,2"):
             look = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile)
             assert look.token_ids == greedy.token_ids, profile
         assert look.stats.steps < greedy.stats.steps
@@ -135,7 +135,9 @@ def test_smollm2_int4_engine_computes_with_the_models_own_weights(tmp_path, smol
     model = lade_export.load(out)
     ids = model.encode("Name three rivers in Europe and one fact about each.")
     greedy = model.generate(ids, max_new_tokens=64, lookahead=False)
-    assert model.generate(ids, max_new_tokens=64).stats.steps == 64  # its default profile is greedy
+    own = model.generate(ids, max_new_tokens=64)  # its default profile: default-int4 (W=0, history lookup)
+    assert manifest["default_profile"] == "default-int4"
+    assert own.token_ids == greedy.token_ids and own.stats.steps <= 64
     assert model.generate(ids, max_new_tokens=64, profile="default").token_ids == greedy.token_ids
 
 
@@ -150,11 +152,11 @@ def test_compare_runs_the_int4_build_beside_the_float32_one(tmp_path, stories_ar
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    # the int4 build's default is greedy, so the compared profile runs on it too
-    assert [r["config"] for r in records[:4]] == ["greedy", "small", "int4 greedy", "int4 small"]
+    # the int4 build runs its own default profile (default-int4) beside its greedy
+    assert [r["config"] for r in records[:4]] == ["greedy", "small", "int4 greedy", "int4 default-int4"]
     assert all(r["exact"] for r in records)
     assert records[3]["reference"] == "int4 greedy" and records[3]["token_ids"] == records[2]["token_ids"]
     rows = {r["config"]: r for r in csv.DictReader((out / "summary.csv").open())}
-    own = float(rows["int4 small"]["decode_tok_s"]) / float(rows["int4 greedy"]["decode_tok_s"])
-    assert abs(float(rows["int4 small"]["speedup_vs_own_greedy"]) - own) < 1e-3
+    own = float(rows["int4 default-int4"]["decode_tok_s"]) / float(rows["int4 greedy"]["decode_tok_s"])
+    assert abs(float(rows["int4 default-int4"]["speedup_vs_own_greedy"]) - own) < 1e-3
     assert "- **also**: int4: " in (out / "summary.md").read_text()
