@@ -319,7 +319,6 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
             budget = min(max_new_tokens, decoder.max_context - len(ids))
             params = dc.replace(sampling, seed=(sampling.seed or 0) + index) if sampled else None
             index += 1
-            base = decoder.generate(ids, budget, None, sampling=params)
             label = prompt.dataset
 
             def record(config, res_ids, steps, prefill, decode, hist, exact, reference, host=0.0, new=None, text=None):
@@ -328,27 +327,26 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
                 if progress:
                     progress(1)
 
-            s = base.stats
-            record(baseline, base.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"],
-                   None if sampled else True, baseline, s.host_s)
-            for profile in profiles:
-                res = decoder.generate(ids, budget, profile, sampling=params)
-                s = res.stats
-                record(profile.name, res.token_ids, s.steps, s.prefill_s, s.decode_s,
-                       s.as_dict()["acceptance_histogram"], None if sampled else res.token_ids == base.token_ids,
-                       baseline, s.host_s)
-            for tag, other, other_profiles in extra_engines:
-                own = f"{tag} {baseline}"
-                ref = other.generate(ids, budget, None, sampling=params)
-                s = ref.stats
-                record(own, ref.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"],
-                       None if sampled else True, own, s.host_s)
-                for profile in other_profiles:
-                    res = other.generate(ids, budget, profile, sampling=params)
+            def run_engine(engine, tag, engine_profiles):
+                """Greedy (or plain sampling) on ``engine``, then each profile checked against it."""
+                own = f"{tag} {baseline}" if tag else baseline
+
+                def record_run(config, res, exact):
                     s = res.stats
-                    record(f"{tag} {profile.name}", res.token_ids, s.steps, s.prefill_s, s.decode_s,
-                           s.as_dict()["acceptance_histogram"], None if sampled else res.token_ids == ref.token_ids,
-                           own, s.host_s)
+                    record(config, res.token_ids, s.steps, s.prefill_s, s.decode_s, s.as_dict()["acceptance_histogram"],
+                           exact, own, s.host_s)
+
+                ref = engine.generate(ids, budget, None, sampling=params)
+                record_run(own, ref, None if sampled else True)
+                for profile in engine_profiles:
+                    res = engine.generate(ids, budget, profile, sampling=params)
+                    record_run(f"{tag} {profile.name}" if tag else profile.name, res,
+                               None if sampled else res.token_ids == ref.token_ids)
+                return ref
+
+            base = run_engine(decoder, "", profiles)
+            for tag, other, other_profiles in extra_engines:
+                run_engine(other, tag, other_profiles)
             if peers is not None:
                 text = tokenizer.render_chat([{"role": "user", "content": prompt.text}]) if chat else prompt.text
                 for name, out, reference, exact in peers.run_prompt(
