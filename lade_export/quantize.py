@@ -1,6 +1,7 @@
 """Weight-only quantized step graphs for ONNX Runtime (``build --precision int4|int8``).
 
-Every MatMul of the transformer layers (attention and MLP projections) becomes ONNX
+Every MatMul of the transformer layers (attention and MLP projections; query/key/value
+and gate/up arrive fused, one MatMul each, from :mod:`lade_export.fusion`) becomes ONNX
 Runtime's ``MatMulNBits`` (com.microsoft contrib op; ONNX Runtime ContribOperators.md):
 4 or 8 bits per weight, one float32 scale per block of ``block_size`` weights along the
 input dimension, ``accuracy_level`` choosing the kernel's compute type.
