@@ -77,3 +77,44 @@ def test_smollm2_tied_embeddings_are_stored_once(smollm2_artifact):
     big = [i.name for i in m.graph.initializer if list(i.dims) in ([49152, 576], [576, 49152])]
     assert big == ["embed_tokens.weight"]
     assert (smollm2_artifact / "model.onnx.data").stat().st_size < 560_000_000
+
+
+def test_the_built_graph_runs_one_matmul_per_shared_input(stories_artifact):
+    # stories260K (untied): per layer one fused q/k/v MatMul (64 -> 64 + 32 + 32), o_proj, one fused gate/up
+    # (64 -> 2 x 172), down_proj; then the LM head. No two MatMuls with initializer weights read the same tensor.
+    m = onnx.load(str(stories_artifact / "model.onnx"))
+    inits = {i.name: i for i in m.graph.initializer}
+    weighted = [n for n in m.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    assert len(weighted) == 5 * 4 + 1
+    assert len({n.input[0] for n in weighted}) == len(weighted)
+    shapes = sorted(tuple(inits[n.input[1]].dims) for n in weighted)
+    assert shapes == sorted([(64, 128), (64, 64), (64, 344), (172, 64)] * 5 + [(64, 512)])
+
+
+def test_sibling_matmul_fusion_keeps_every_output():
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from lade_export.fusion import fuse_sibling_matmuls
+
+    rng = np.random.default_rng(0)
+    weights = {"wq": rng.standard_normal((8, 8)), "wk": rng.standard_normal((8, 4)), "wv": rng.standard_normal((8, 4)),
+               "wo": rng.standard_normal((4, 8))}
+    nodes = [helper.make_node("MatMul", ["x", w], [f"y_{w}"]) for w in ("wq", "wk", "wv")]
+    nodes.append(helper.make_node("MatMul", ["y_wk", "wo"], ["y_wo"]))  # reads another tensor: left alone
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "step", 8])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", "step", width])
+         for n, width in (("y_wq", 8), ("y_wk", 4), ("y_wv", 4), ("y_wo", 8))],
+        [numpy_helper.from_array(w.astype(np.float32), name) for name, w in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert fuse_sibling_matmuls(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Split", "MatMul"]
+    assert sorted(i.name for i in model.graph.initializer) == ["wo", "wq_fused", "wq_fused_split_sizes"]
+    onnx.checker.check_model(model)
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(before, after):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

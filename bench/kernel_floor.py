@@ -1,0 +1,128 @@
+"""How much of a one-token step is the weights' own kernels: the floor under greedy decoding.
+
+For each artifact, times (ONNX Runtime, CPU, median of ``--repeats`` after warm-up):
+
+* the whole step graph for one token at ``--past`` cached tokens (what a greedy step runs);
+* a graph holding only the step's weight kernels — every ``MatMul`` / ``MatMulNBits``
+  whose weight is an initializer (projections, zero-point residual terms, LM head), with
+  the artifact's real weights, each fed a random activation of its width, nothing else.
+
+The second figure bounds greedy decoding from above: even if attention, norms, RoPE and
+the host were free, a step could not be faster than its weight kernels. Tokens/s figures
+are 1000 / ms. A benchmark, not a test: run it on a quiet machine.
+
+Usage:
+    python bench/kernel_floor.py build/smollm2 build/smollm2-int4 [--past 256] [--repeats 41] \
+        [--threads 2] [--out bench/results/kernel-floor.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def weight_kernels_model(model):
+    """A model of only ``model``'s weight kernels: one input ``x_K`` float [1, 1, K] per
+    input width K, every kernel reading it, every kernel's output a graph output."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes, widths = [], set()
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            k = inits[node.input[1]].dims[0]
+        elif node.op_type == "MatMulNBits":
+            k = next(a.i for a in node.attribute if a.name == "K")
+        else:
+            continue
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.input[0] = f"x_{k}"
+        nodes.append(copy)
+        widths.add(k)
+    used = {i for n in nodes for i in n.input}
+    graph = helper.make_graph(
+        nodes, "weight_kernels",
+        [helper.make_tensor_value_info(f"x_{k}", TensorProto.FLOAT, [1, 1, k]) for k in sorted(widths)],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for n in nodes for o in n.output],
+        [i for i in model.graph.initializer if i.name in used])
+    return helper.make_model(graph, opset_imports=list(model.opset_import)), len(nodes)
+
+
+def median_ms(session, feeds, repeats: int, outputs=None) -> float:
+    for _ in range(3):
+        session.run(outputs, feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run(outputs, feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifacts", nargs="+", type=Path)
+    parser.add_argument("--past", type=int, default=256, help="cached tokens before the step")
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: ORT's)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
+    args = parser.parse_args()
+
+    import onnx
+    import onnxruntime as ort
+
+    from lade_export.artifact import Artifact
+    from lade_export.feeds import example_feeds
+
+    def session(source):
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if args.threads:
+            options.intra_op_num_threads = args.threads
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for path in args.artifacts:
+        artifact = Artifact(path)
+        graph_path = artifact.onnx_path
+        precision = artifact.manifest["graph"].get("precision", "fp32")
+        step = session(str(graph_path))
+        outputs = [o.name for o in step.get_outputs() if o.name != "logits"]
+        feeds = example_feeds(artifact.dims, step=1, past=args.past)
+        step_ms = median_ms(step, feeds, args.repeats, outputs)
+        del step
+        kernels, count = weight_kernels_model(onnx.load(str(graph_path)))
+        kernel_session = session(kernels.SerializeToString())
+        kernel_feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in kernel_session.get_inputs()}
+        kernel_ms = median_ms(kernel_session, kernel_feeds, args.repeats)
+        rows.append((f"{path.name} ({precision})", step_ms, count, kernel_ms))
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    lines = [f"One-token step vs its weight kernels alone, ONNX Runtime CPU, {args.past} cached tokens, median of "
+             f"{args.repeats} ({cpu}, {os.cpu_count()} cores, threads {args.threads or 'default'}).", "",
+             "| artifact | step ms (tok/s) | weight kernels | kernels alone ms (tok/s ceiling) | kernels' share |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name, step_ms, count, kernel_ms in rows:
+        lines.append(f"| {name} | {step_ms:.1f} ({1e3 / step_ms:.0f}) | {count} | {kernel_ms:.1f} "
+                     f"({1e3 / kernel_ms:.0f}) | {kernel_ms / step_ms:.0%} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
