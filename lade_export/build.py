@@ -345,6 +345,11 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             say(f"note: {step.rope.reason}")
         for profile in profiles:
             profile.check_fits(dims.max_context)
+        if quantization is not None and dims.hidden % quantization.block_size:
+            from .errors import ProfileError
+
+            raise ProfileError(f"--block-size {quantization.block_size} does not divide the model's hidden size "
+                               f"{dims.hidden}; give a power of two ≥ 16 that does (e.g. 32)")
         load_s = time.perf_counter() - t0
         say("exporting the decoder step to ONNX")
         t1 = time.perf_counter()

@@ -154,7 +154,8 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     """Validate ``root`` (see module doc) and return a :class:`CheckReport`.
 
     Raises:
-        ArtifactError: the directory or manifest is missing or of another schema version.
+        ArtifactError: the directory or manifest is missing or of another schema version, or a
+            listed file is missing or of another size (checksum mismatches are reported instead).
         ModelSourceError: the PyTorch reference (manifest ``source.model``) cannot be loaded.
     """
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -171,6 +172,7 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     say = status or (lambda m: None)
     artifact = Artifact(root, verify=False)
     say("verifying checksums")
+    artifact.verify_files(hashes=False)  # a missing or resized file cannot run at all: one line, no report
     sums = checksum_errors(artifact)
     say(f"loading the PyTorch reference {artifact.manifest['source']['model']}")
     loaded = load_model(artifact.manifest["source"]["model"])

@@ -16,6 +16,12 @@ from .errors import GenerationError, LadeError, ProfileError
 from .profile import resolve_profile
 
 
+#: Modules of the optional extras (pyproject.toml) -> the extra that installs them.
+_EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export", "gguf": "export",
+           "accelerate": "export", "onnx": "export", "onnxscript": "export", "onnxslim": "export",
+           "polygraphy": "export", "matplotlib": "bench", "tritonclient": "serve"}
+
+
 class _Group(click.Group):
     """Turns typed errors, usage errors and interrupts into one-line messages and exit codes."""
 
@@ -43,6 +49,13 @@ class _Group(click.Group):
         except LadeError as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(err.exit_code)
+        except ModuleNotFoundError as err:
+            extra = _EXTRAS.get((err.name or "").split(".")[0])
+            if extra is None:
+                raise
+            click.echo(f"error: lade-export {ctx.invoked_subcommand} needs {err.name}, which this install lacks: "
+                       f"pip install 'lade-export[{extra}]'", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             interrupted_build = ctx.invoked_subcommand in ("build", "export")
             click.echo("error: interrupted; nothing was written" if interrupted_build else "error: interrupted", err=True)
@@ -381,6 +394,8 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
+    if out.exists() and not out.is_dir():
+        raise GenerationError(f"--out {out} exists and is not a folder; give a folder for the results")
     if any(p.startswith("llama.cpp") for p in peers):  # bad llama.cpp setup fails before any work
         from .peers import check_gguf, check_peer_names, find_llama_cpp
 
@@ -403,6 +418,10 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     extra_engines = []
     for path in also:
         other = _open_decoder(path, backend, device, dtype, threads)
+        if other[0].dims != artifact.dims:
+            raise GenerationError(f"--also {path} is a build of another model ({other[0].manifest['source']['model']}: "
+                                  f"{other[0].dims.num_layers} layers, vocab {other[0].dims.vocab}) than {artifact_dir} "
+                                  f"({artifact.dims.num_layers} layers, vocab {artifact.dims.vocab})")
         tag = other[0].manifest["graph"].get("precision", "fp32")
         tags = [t for t, _, _ in extra_engines]
         tag = tag if tag not in tags and tag != artifact.manifest["graph"].get("precision", "fp32") else path.name
@@ -426,7 +445,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
             "command": "lade-export compare " + " ".join(sys.argv[2:]), "skipped": [r.line() for r in skipped],
             **({"also": ", ".join(f"{t}: {p}" for (t, _, _), p in zip(extra_engines, also))} if also else {}),
             "peers": peer_set.describe() if peer_set is not None else {}}
-    write_outputs(out, records, rows, meta)
+    plotted = write_outputs(out, records, rows, meta)
     table = Table(title=f"compare: {', '.join(datasets)} ({limit} prompts, {max_new_tokens} new tokens max)")
     for col in ("dataset", "config", "compression", "tok/s", "speedup", "p50 ms/tok", "exact"):
         table.add_column(col)
@@ -437,7 +456,8 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     for key, value in meta["peers"].items():
         click.echo(f"{key}: {value}", err=True)
-    click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv, speedup.png"
+    click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv"
+               + (", speedup.png" if plotted else " (no speedup.png: plotting needs pip install 'lade-export[bench]')")
                + (f" ({len(skipped)} record(s) skipped: they do not fit the context)" if skipped else ""))
     from .peers import UNCHECKED_PEERS
 
@@ -495,6 +515,8 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
     from .tune import grid_profiles
     from .tune import tune as run_tune
 
+    if out.is_dir():
+        raise ProfileError(f"--out {out} is a folder; give the path of the profile TOML to write")
     profiles = grid_profiles(list(candidates) if candidates else grid)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, "cpu", "float32", threads)
     chat = artifact.has_chat_template

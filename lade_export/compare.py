@@ -167,10 +167,15 @@ def summarize(records: list[RunRecord]) -> list[dict]:
 
 
 def environment() -> dict:
-    """Date, CPU model, core count and versions, for the record of a benchmark."""
-    import onnxruntime
-    import torch
-    import transformers
+    """Date, CPU model, core count and versions, for the record of a benchmark (a package
+    that is not installed is recorded as ``"not installed"``; nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
 
     cpu = platform.processor() or ""
     try:
@@ -185,12 +190,18 @@ def environment() -> dict:
     from . import __version__
 
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "transformers": transformers.__version__, "lade_export": __version__}
+            "python": platform.python_version(), "torch": installed("torch"), "onnxruntime": installed("onnxruntime"),
+            "transformers": installed("transformers"), "lade_export": __version__}
 
 
-def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: dict) -> None:
-    """Write results.jsonl, summary.csv, summary.md and speedup.png into ``out`` (atomically per file)."""
+def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: dict) -> bool:
+    """Write results.jsonl, summary.csv, summary.md and speedup.png into ``out`` (atomically per file).
+
+    Returns:
+        whether speedup.png was written (it needs matplotlib, the ``bench`` extra).
+    """
+    from importlib.util import find_spec
+
     from .artifact import write_text_atomic
 
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +213,10 @@ def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: d
         writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
     write_text_atomic(out / "summary.csv", buf.getvalue())
     write_text_atomic(out / "summary.md", render_markdown(rows, meta))
+    if find_spec("matplotlib") is None:
+        return False
     plot_summary(rows, out / "speedup.png")
+    return True
 
 
 def render_markdown(rows: list[dict], meta: dict) -> str:

@@ -110,4 +110,6 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
         if not isinstance(text, str) or not text:
             raise GenerationError(f"{path} record {i}: the prompt must be a non-empty string")
         prompts.append(Prompt(str(pid), text, label, str(path), i))
+    if not prompts:
+        raise GenerationError(f"dataset {path} has no prompts" + (f" after skipping {skip}" if skip else ""))
     return prompts

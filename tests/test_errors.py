@@ -151,6 +151,16 @@ def _compare(t, a, *extra):
     prompts = _jsonl(t, json.dumps({"prompt": "Once upon a time"}) + "\n")
     return ["compare", a, "--dataset", prompts, "--limit", 1, "--max-new-tokens", 4, "--out", t / "o", *extra]
 
+def _other_model(tmp, art):
+    """A copy of ``art`` whose manifest says its model has another vocabulary (another model)."""
+    other = tmp / "other"
+    shutil.copytree(art, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["model"]["dims"]["vocab"] += 1
+    (other / "manifest.json").write_text(json.dumps(m))
+    return other
+
+
 def _triton_repo(tmp, art):
     from lade_export.serving.repository import write_model_repository
 
@@ -196,7 +206,8 @@ CASES = [
      "TOML syntax error: Invalid value (at line 3, column 9)"),
     ("profile-unknown-key", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                               _profile(t, "[lookahead]\nwindow=3\nngram=4\nguesses=2\nwidth=9\n")], 2,
-     "unknown key(s) in [lookahead]: width"),
+     "unknown key(s) in [lookahead]: width; expected enabled, guesses, lookup, lookup_branches, ngram, "
+     "seed_pool_from_prompt, window"),
     ("profile-w-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                              _profile(t, "[lookahead]\nwindow=-1\nngram=4\nguesses=2\n")], 2,
      "window (W) must be ≥ 0, got -1"),
@@ -247,6 +258,21 @@ CASES = [
     ("compare-no-record-fits", lambda t, s, a: ["compare", a, "--dataset", _jsonl(t, json.dumps({"prompt": "dog " * 299})),
                                                  "--limit", 1, "--out", t / "o"], 2,
      "none of the 1 record(s) fits the model's context of 512 tokens (the first, "),
+    ("compare-out-not-folder", lambda t, s, a: _compare(t, a)[:-2] + ["--out", _jsonl(t, "")], 2,
+     "exists and is not a folder; give a folder for the results"),
+    ("compare-empty-dataset", lambda t, s, a: ["compare", a, "--dataset", _jsonl(t, ""), "--out", t / "o"], 2,
+     "has no prompts"),
+    ("compare-also-other-model", lambda t, s, a: _compare(t, a, "--also", _other_model(t, a)), 2,
+     "is a build of another model ("),
+    ("tune-out-is-folder", lambda t, s, a: ["tune", a, "--out", t], 2,
+     "is a folder; give the path of the profile TOML to write"),
+    ("profile-inline-malformed", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "1.5,3,2"], 2,
+     "inline profile '1.5,3,2' must be 3 to 5 comma-separated integers: W,N,G[,K[,B]]"),
+    ("check-weights-size", lambda t, s, a: ["check", _grow(t, a, "model.onnx")], 2,
+     "size mismatch for model.onnx: "),
+    ("build-block-size", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--block-size", 128,
+                                          "--out", t / "o"], 2,
+     "--block-size 128 does not divide the model's hidden size 64; give a power of two ≥ 16 that does (e.g. 32)"),
     ("build-precision-tensorrt-int4", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--precision",
                                                        "int4", "--out", t / "o"], 2,
      "--precision int4 makes MatMulNBits weights, which TensorRT cannot parse; --engine tensorrt takes fp16, bf16 or fp32"),
@@ -340,7 +366,8 @@ def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
     ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent", "build-rope-capped",
-                                   "build-parity-transformers", "prompt-file-bom", "compare-record-too-long"} | set(TENSORRT_ROWS)
+                                   "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra"} | \
+        set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids
 
@@ -386,3 +413,18 @@ def test_force_replaces_only_after_success(tmp_path, stories_dir, stories_artifa
     assert good.exit_code == 0
     assert json.loads((out / "manifest.json").read_text())["profiles"][0]["name"] == "small"
     assert sorted(os.listdir(tmp_path)) == ["art"]
+
+
+def test_missing_extra_is_one_line(tmp_path, stories_dir):
+    # The base install has no torch: `build` must say which extra to install, in one line, and write nothing.
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; from lade_export.cli import main; "
+            f"main(['build', '--model', {str(stories_dir)!r}, '--out', {str(tmp_path / 'o')!r}])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert lines == ["error: lade-export build needs torch, which this install lacks: pip install 'lade-export[export]'"]
+    assert "needs torch, which this install lacks: pip install 'lade-export[export]'" in DOC
+    assert not (tmp_path / "o").exists()
