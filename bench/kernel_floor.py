@@ -19,8 +19,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -80,7 +78,8 @@ def main() -> None:
     import onnx
     import onnxruntime as ort
 
-    from lade_export.artifact import Artifact
+    from lade_export.artifact import Artifact, write_text_atomic
+    from lade_export.compare import environment
     from lade_export.feeds import example_feeds
 
     def session(source):
@@ -107,10 +106,9 @@ def main() -> None:
         kernel_ms = median_ms(kernel_session, kernel_feeds, args.repeats)
         rows.append((f"{path.name} ({precision})", step_ms, count, kernel_ms))
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    machine = environment()
     lines = [f"One-token step vs its weight kernels alone, ONNX Runtime CPU, {args.past} cached tokens, median of "
-             f"{args.repeats} ({cpu}, {os.cpu_count()} cores, threads {args.threads or 'default'}).", "",
+             f"{args.repeats} ({machine['cpu']}, {machine['cores']} cores, threads {args.threads or 'default'}).", "",
              "| artifact | step ms (tok/s) | weight kernels | kernels alone ms (tok/s ceiling) | kernels' share |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for name, step_ms, count, kernel_ms in rows:
@@ -119,9 +117,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":

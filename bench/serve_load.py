@@ -52,11 +52,11 @@ def percentile(values, q):
 
 
 def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
     import onnxruntime
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    from lade_export.compare import environment
+
+    return {"cpu": environment()["cpu"], "cores": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "platform": platform.platform()}
 
 

@@ -14,8 +14,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 from pathlib import Path
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 19, 24, 32, 64)
@@ -30,6 +28,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import lade_export
+    from lade_export.artifact import write_text_atomic
+    from lade_export.compare import environment
     from lade_export.tune import measure_step_costs
 
     curves = {}
@@ -38,10 +38,9 @@ def main() -> None:
             precision = model.artifact.manifest["graph"].get("precision", "fp32")
             curves[f"{path.name} ({precision})"] = measure_step_costs(model.decoder.engine, SIZES, args.past,
                                                                       args.repeats)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    machine = environment()
     lines = [f"Step-cost curves at {args.past} cached tokens, median of {args.repeats} passes "
-             f"({cpu}, {os.cpu_count()} cores): ms per forward pass (× a one-token step of the same engine).", "",
+             f"({machine['cpu']}, {machine['cores']} cores): ms per forward pass (× a one-token step of the same engine).", "",
              "| step tokens | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
     steps = sorted({row["step"] for rows in curves.values() for row in rows})
     for step in steps:
@@ -53,9 +52,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":
