@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sanitize import drop_unused_initializers
+
 
 def fuse_sibling_matmuls(model) -> int:
     """Fuse, in place, every group of ≥ 2 MatMuls that read the same input tensor and
@@ -63,8 +65,5 @@ def fuse_sibling_matmuls(model) -> int:
                                                          [n.output[0] for n in nodes],
                                                          name=nodes[0].name + "_fused_split", axis=-1))
         fused += 1
-    used = {i for n in graph.node for i in n.input}
-    for init in list(graph.initializer):
-        if init.name not in used:
-            graph.initializer.remove(init)
+    drop_unused_initializers(graph)
     return fused

@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ProfileError
+from .sanitize import drop_unused_initializers
 
 #: ``--precision`` values for ONNX Runtime, and the bits each means.
 ORT_PRECISIONS = {"fp32": None, "int8": 8, "int4": 4}
@@ -284,10 +285,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         graph.node.remove(gather)
         for k, node in enumerate(extra):
             graph.node.insert(position + k, node)
-    used = {i for n in graph.node for i in n.input}
-    for init in list(graph.initializer):
-        if init.name not in used:
-            graph.initializer.remove(init)
+    drop_unused_initializers(graph)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     for leftover in dst.parent.glob(dst.name + "*"):

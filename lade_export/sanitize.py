@@ -14,6 +14,16 @@ from pathlib import Path
 from .errors import BackendUnavailableError
 
 
+def drop_unused_initializers(graph) -> int:
+    """Remove, in place, the initializers of ``graph`` (an ``onnx.GraphProto``) that no node
+    reads, e.g. the weights a rewrite replaced. Returns how many were removed."""
+    used = {i for n in graph.node for i in n.input}
+    unused = [init for init in graph.initializer if init.name not in used]
+    for init in unused:
+        graph.initializer.remove(init)
+    return len(unused)
+
+
 def slim_model(model):
     """Constant-fold, drop dead nodes and infer shapes of an in-memory ONNX model (onnxslim).
 
