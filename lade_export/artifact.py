@@ -238,6 +238,18 @@ class Artifact:
         return ModelDims.from_dict(self.manifest["model"]["dims"])
 
     @property
+    def attention(self) -> str:
+        """How the graph computes attention (``graph.attention``): ``onnx-ops`` (standard
+        operators, every engine) or ``group-query-attention`` (ONNX Runtime's fused op)."""
+        return self.manifest["graph"].get("attention", "onnx-ops")
+
+    @property
+    def kv_layout(self) -> str:
+        """The graph's KV cache layout (``graph.kv_cache``, :data:`lade_export.specs.KV_LAYOUTS`);
+        artifacts built before it existed are ``sequence-major``."""
+        return self.manifest["graph"].get("kv_cache", "sequence-major")
+
+    @property
     def stop_token_ids(self) -> list[int]:
         return list(self.manifest["model"]["stop_token_ids"])
 

@@ -304,9 +304,49 @@ def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
     return out
 
 
+#: ``graph.kv_layout`` of the manifest: the cache layout in words.
+KV_LAYOUT_TEXT = {
+    "sequence-major": "[batch, seq, kv_heads, head_dim] (sequence-major), float32, RoPE applied to keys; "
+                      "present.* = this step only",
+    "head-major-shared": "[batch, kv_heads, capacity, head_dim] (head-major), float32, RoPE applied to keys, filled "
+                         "up to past = mask columns - step; present.* = the same buffer with this step written at "
+                         "[past, past+step): bind each present output to its past input's memory",
+}
+
+
+def choose_attention(requested: str, dims, tensorrt: bool = False) -> str:
+    """The attention formulation of a build (``--attention``).
+
+    ``auto`` picks ``group-query-attention`` — ONNX Runtime's fused RoPE + attention op
+    (``com.microsoft.GroupQueryAttention``) over a shared head-major cache buffer, which
+    removes the per-layer attention operators and the per-step transposes of the cache —
+    for ONNX Runtime builds whose head width it accepts (a multiple of 16), else
+    ``onnx-ops`` (standard operators, sequence-major cache; what TensorRT parses).
+
+    Raises:
+        ProfileError: ``group-query-attention`` asked for a TensorRT build or a head width
+            of the model that ONNX Runtime's kernel refuses; an unknown value.
+    """
+    from .errors import ProfileError
+    from .graph import ATTENTION_KINDS
+
+    fits = dims.head_dim % 16 == 0
+    if requested == "auto":
+        return "group-query-attention" if fits and not tensorrt else "onnx-ops"
+    if requested not in ATTENTION_KINDS:
+        raise ProfileError(f"--attention must be auto, {' or '.join(ATTENTION_KINDS)}, got {requested!r}")
+    if requested == "group-query-attention" and tensorrt:
+        raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
+                           "parse; --engine tensorrt takes --attention onnx-ops")
+    if requested == "group-query-attention" and not fits:
+        raise ProfileError(f"--attention group-query-attention needs a head width that is a multiple of 16 (ONNX "
+                           f"Runtime's kernel); this model's is {dims.head_dim}: use --attention onnx-ops")
+    return requested
+
+
 def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,
                    threads: int | None = None, loaded=None, engine_options: dict | None = None,
-                   timing_cache: str | Path | None = None, quantization=None) -> dict:
+                   timing_cache: str | Path | None = None, quantization=None, attention: str = "auto") -> dict:
     """Build an artifact directory (see :mod:`lade_export.artifact`) and return its manifest.
 
     Args:
@@ -327,6 +367,9 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             Runtime graph (``--precision int8|int4``): the float32 graph is exported and
             checked as always, then replaced by its quantized form, whose quality is
             measured and recorded (``quantization`` in the manifest).
+        attention: ``onnx-ops``, ``group-query-attention`` or ``auto``
+            (:func:`choose_attention`); recorded as ``graph.attention`` with the cache
+            layout it implies (``graph.kv_cache``).
 
     Raises:
         ModelSourceError, ProfileError, ArtifactError: bad inputs (nothing written).
@@ -339,8 +382,10 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         t0 = time.perf_counter()
         say(f"loading {source}")
         loaded = loaded or load_model(source)
-        step = DecoderStep(loaded.model).eval()
-        dims = step.dims
+        reference_step = DecoderStep(loaded.model).eval()
+        dims = reference_step.dims
+        attention = choose_attention(attention, dims, tensorrt=engine_options is not None)
+        step = reference_step if attention == "onnx-ops" else DecoderStep(loaded.model, attention=attention).eval()
         if step.rope.reason:
             say(f"note: {step.rope.reason}")
         for profile in profiles:
@@ -360,7 +405,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         prompt_ids = parity_prompt_ids(loaded.tokenizer, chat)[: max(2, dims.max_context // 2)]
         t2 = time.perf_counter()
         engine = OrtEngine(onnx_path, dims, threads=threads)  # one session for both checks
-        cases = check_parity(step, onnx_path, prompt_ids, profiles[0] if profiles else None, engine=engine)
+        cases = check_parity(reference_step, onnx_path, prompt_ids, profiles[0] if profiles else None, engine=engine)
         _raise_on_parity(cases)
         parity_s = time.perf_counter() - t2
         say("checking the graph against transformers on both sides of the rope thresholds")
@@ -378,7 +423,8 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                                                 threads=threads, say=say)
         say("saving the tokenizer and checking it against transformers")
         tokenizer_section = save_tokenizer(loaded.tokenizer, tmp / "tokenizer")
-        inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
+        inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab,
+                                        kv_layout=step.kv_layout)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         tok = loaded.tokenizer
         manifest = {
@@ -402,8 +448,9 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 "precision": f"int{quantization.bits}" if quantization is not None else "fp32",
                 "lookahead_exact": quantization.lookahead_exact if quantization is not None else True,
                 "mask": "bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
-                "kv_layout": "[batch, seq, kv_heads, head_dim] (sequence-major), float32, RoPE applied to keys; "
-                             "present.* = this step only",
+                "attention": attention,
+                "kv_cache": step.kv_layout,
+                "kv_layout": KV_LAYOUT_TEXT[step.kv_layout],
                 "inputs": [s.as_dict() for s in inputs],
                 "outputs": [s.as_dict() for s in outputs],
             },

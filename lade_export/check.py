@@ -188,8 +188,19 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
             feeds.append(OrderedDict(f))
     output_names = [o["name"] for o in artifact.manifest["graph"]["outputs"]]
     input_specs = artifact.manifest["graph"]["inputs"]
-    runners = [_torch_runner(step, input_specs, output_names),
-               OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)), name="onnxruntime")]
+    if artifact.kv_layout == "sequence-major":
+        ort_runner = OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)), name="onnxruntime")
+    else:  # the graph's cache is one shared buffer per tensor: feed it through the layout converter
+        from .backends.onnxruntime import OrtEngine
+        from .feeds import run_sequence_major
+        from .specs import step_io_specs
+
+        d = artifact.dims
+        input_specs = [t.as_dict() for t in step_io_specs(d.num_layers, d.kv_heads, d.head_dim, d.vocab)[0]]
+        ort_engine = OrtEngine(artifact.onnx_path, d)
+        ort_runner = _runner("onnxruntime", lambda f: run_sequence_major(ort_engine, f, with_logits=True),
+                             input_specs, output_names)
+    runners = [_torch_runner(step, input_specs, output_names), ort_runner]
     say(f"comparing {', '.join(r.name for r in runners)} on {len(feeds)} feeds")
     results = Comparator.run(runners, data_loader=feeds)
     by_runner = {name: iters for name, iters in results}

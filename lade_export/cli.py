@@ -103,6 +103,15 @@ def _profiles(values) -> list:
               help="int8/int4: MatMulNBits compute type (default: 1, float32, for int4; 4, int8 activations, for "
                    "int8). Only 0 and 1 keep lookahead exact; other levels make an artifact that decodes without "
                    "lookahead.")
+@click.option("--head-bits", type=click.Choice(["0", "4", "8"]), default="0", show_default=True,
+              help="int8/int4: bits of the LM head and the tied embedding (0: float32). 8 is fast only with "
+                   "--accuracy-level 4.")
+@click.option("--attention", type=click.Choice(["auto", "onnx-ops", "group-query-attention"]), default="auto",
+              show_default=True,
+              help="ONNX Runtime builds: group-query-attention fuses each layer's RoPE and attention into ONNX "
+                   "Runtime's GroupQueryAttention over a head-major cache the step writes in place (head width a "
+                   "multiple of 16); onnx-ops keeps standard operators (what TensorRT parses). auto: the first "
+                   "where it applies.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, read and updated (reuse it across builds).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Largest batch the engines accept.")
@@ -111,8 +120,8 @@ def _profiles(values) -> list:
 @click.option("--version-compatible", is_flag=True, help="TensorRT version-compatible engines (for later runtimes).")
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
 @click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")
-def build(source, profile_values, out, force, threads, engine, precision, block_size, accuracy_level, timing_cache,
-          max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
+def build(source, profile_values, out, force, threads, engine, precision, block_size, accuracy_level, head_bits,
+          attention, timing_cache, max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
     (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
     per profile)."""
@@ -127,7 +136,13 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     if engine == "tensorrt" and precision in ("int8", "int4"):
         raise ProfileError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
                            "--engine tensorrt takes fp16, bf16 or fp32")
-    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level) \
+    if engine == "tensorrt" and attention == "group-query-attention":
+        raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
+                           "parse; --engine tensorrt takes --attention onnx-ops")
+    if int(head_bits) and not (engine == "onnx" and ORT_PRECISIONS[precision]):
+        raise ProfileError(f"--head-bits {head_bits} quantizes the head of an int8/int4 ONNX Runtime build; "
+                           f"give --precision int8 or int4")
+    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level, int(head_bits)) \
         if engine == "onnx" and ORT_PRECISIONS[precision] else None
     profiles = _profiles(profile_values or (default_profile_for(precision),))
     if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
@@ -170,7 +185,8 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
     with _progress() as say:
         manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
-                                  engine_options=engine_options, timing_cache=timing_cache, quantization=quantization)
+                                  engine_options=engine_options, timing_cache=timing_cache, quantization=quantization,
+                                  attention=attention)
     worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
     click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
                f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "

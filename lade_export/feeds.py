@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import ModelDims, past_key_name, past_value_name
+from .specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
 
 
 def causal_feeds(token_ids, past_len: int, logit_rows=None) -> dict:
@@ -35,18 +35,54 @@ def causal_feeds(token_ids, past_len: int, logit_rows=None) -> dict:
     }
 
 
-def empty_past_feeds(dims: ModelDims) -> dict:
-    """``past_key_values.*`` feeds of an empty cache: float32 [1, 0, kv_heads, head_dim] each."""
+def empty_past_feeds(dims: ModelDims, kv_layout: str = "sequence-major", capacity: int = 0) -> dict:
+    """``past_key_values.*`` feeds of an empty cache: float32 [1, 0, kv_heads, head_dim] each
+    (sequence-major), or a fresh zero buffer [1, kv_heads, capacity, head_dim] per tensor
+    (``head-major-shared``: the step writes into it, so buffers are never shared)."""
+    if kv_layout == "head-major-shared":
+        shape = (1, dims.kv_heads, capacity, dims.head_dim)
+        return {n: np.zeros(shape, np.float32) for i in range(dims.num_layers)
+                for n in (past_key_name(i), past_value_name(i))}
     empty = np.zeros((1, 0, dims.kv_heads, dims.head_dim), np.float32)
     return {n: empty for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))}
 
 
-def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: int = 0, dtype=np.float32) -> dict:
+def to_kv_layout(feeds: dict, dims: ModelDims, kv_layout: str, capacity: int | None = None) -> dict:
+    """``feeds`` with a sequence-major cache ([b, past, kv_heads, head_dim]) rewritten for
+    ``kv_layout``: unchanged for ``sequence-major``; for ``head-major-shared`` each past
+    tensor becomes a new buffer [b, kv_heads, capacity, head_dim] (default capacity: past +
+    step) holding the cache in its first ``past`` positions. Copies; for checks and benchmarks."""
+    if kv_layout == "sequence-major":
+        return dict(feeds)
+    out = dict(feeds)
+    step = feeds["input_ids"].shape[1]
+    for i in range(dims.num_layers):
+        for name in (past_key_name(i), past_value_name(i)):
+            past = feeds[name]
+            b, n = past.shape[0], past.shape[1]
+            buffer = np.zeros((b, dims.kv_heads, capacity or n + step, dims.head_dim), past.dtype)
+            buffer[:, :, :n] = past.transpose(0, 2, 1, 3)
+            out[name] = buffer
+    return out
+
+
+def present_rows(outputs: dict, name: str, kv_layout: str, past: int, step: int) -> np.ndarray:
+    """This step's keys or values from output ``name`` as sequence-major [b, step, kv_heads,
+    head_dim], whatever the layout (a view for ``sequence-major``, a copy otherwise)."""
+    value = outputs[name]
+    if kv_layout == "sequence-major":
+        return value
+    return value[:, :, past:past + step].transpose(0, 2, 1, 3)
+
+
+def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: int = 0, dtype=np.float32,
+                  kv_layout: str = "sequence-major") -> dict:
     """Feeds of a given (step, past) shape: random token ids over contiguous positions with
     a causal mask, logits at every row, and a random float cache (fixed ``seed``).
 
     Returns:
-        numpy arrays keyed by input name; the cache is ``dtype`` [batch, past, kv_heads, head_dim].
+        numpy arrays keyed by input name; the cache is ``dtype`` [batch, past, kv_heads, head_dim]
+        (``sequence-major``) or [batch, kv_heads, past+step, head_dim] (``head-major-shared``).
     """
     rng = np.random.default_rng(seed)
     one = causal_feeds(rng.integers(0, dims.vocab, size=step), past, logit_rows=np.arange(step))
@@ -54,4 +90,28 @@ def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: i
     for i in range(dims.num_layers):
         for name in (past_key_name(i), past_value_name(i)):
             feeds[name] = rng.standard_normal((batch, past, dims.kv_heads, dims.head_dim)).astype(dtype)
-    return feeds
+    return to_kv_layout(feeds, dims, kv_layout)
+
+
+def run_sequence_major(engine, feeds: dict, with_logits: bool = False) -> dict:
+    """Run ``engine`` on feeds with a sequence-major cache whatever the engine's layout.
+
+    For an engine whose ``kv_layout`` is ``head-major-shared`` the cache is copied into
+    fresh buffers (:func:`to_kv_layout`) and the ``present.*`` outputs are returned as
+    this step's keys/values only, sequence-major [b, step, kv_heads, head_dim] — the
+    contract of a ``sequence-major`` engine. For checks, tools and tests, not the decoding
+    loop (which owns its buffers, :class:`lade_export.kv_cache.KVCache`).
+
+    Raises:
+        EngineError: the engine failed to run the feeds.
+    """
+    layout = getattr(engine, "kv_layout", "sequence-major")
+    if layout == "sequence-major":
+        return engine.run(feeds, with_logits=with_logits)
+    past = feeds[past_key_name(0)].shape[1]
+    step = feeds["input_ids"].shape[1]
+    out = dict(engine.run(to_kv_layout(feeds, engine.dims, layout), with_logits=with_logits))
+    for i in range(engine.dims.num_layers):
+        for name in (present_key_name(i), present_value_name(i)):
+            out[name] = np.ascontiguousarray(present_rows(out, name, layout, past, step))
+    return out

@@ -37,9 +37,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.onnx.operators
 from torch import nn
 
-from .feeds import causal_feeds, empty_past_feeds, example_feeds
+from .feeds import causal_feeds, empty_past_feeds, example_feeds, run_sequence_major
 from .specs import (
     ModelDims,
     dynamic_axes,
@@ -58,6 +59,73 @@ PARITY_MAX_REL = 1e-5
 
 def _rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+#: Tokens of rotary table past the declared context in a ``group-query-attention`` graph:
+#: the widest decode step it accepts (a profile's ``max_step``).
+STEP_ROOM = 1024
+
+#: ``DecoderStep(attention=...)``: attention as ONNX operators (every engine) or as ONNX
+#: Runtime's fused ``com.microsoft.GroupQueryAttention`` (ONNX Runtime only).
+ATTENTION_KINDS = ("onnx-ops", "group-query-attention")
+
+
+class _GroupQueryAttention(torch.autograd.Function):
+    """One layer's RoPE + grouped-query attention over a shared, head-major KV cache buffer,
+    exported as ONNX Runtime's ``com.microsoft.GroupQueryAttention`` (ContribOperators.md).
+
+    Inputs: ``q`` float [b, step, heads·hd], ``k``/``v`` float [b, step, kv_heads·hd] (before
+    RoPE); ``past_k``/``past_v`` float [b, kv_heads, capacity, hd], the first
+    ``total − step`` positions filled; ``seqlens_k`` int32 [b] = total − 1; ``total`` int32
+    scalar = past + step; ``cos_cache``/``sin_cache`` float [max_context, hd/2] (already
+    times the rope attention scale); ``position_ids`` int64 [b, step]; ``bias`` float
+    [b, 1, step, total], 0 where the lookahead mask allows a column and the float minimum
+    where it does not.
+
+    Returns ``(out [b, step, heads·hd], present_k, present_v)``: the presents are the cache
+    buffers with this step's (rotated) keys and values at ``[past, total)``. ONNX Runtime
+    writes them in place when the caller binds each present output to its past input's
+    memory; the eager forward here returns updated copies (it is the reference, not the
+    fast path). ONNX Runtime's kernel also masks columns after a row's own position
+    (causal over the feed order); every lookahead mask is lower-triangular over the step,
+    so the bias alone decides.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
+                heads: int, kv_heads: int, scale: float):
+        b, s, _ = q.shape
+        hd = past_k.shape[-1]
+        end = int(total)
+        cos = cos_cache[position_ids]  # [b, step, hd/2]
+        sin = sin_cache[position_ids]
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(2)  # [b, step, 1, hd]
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(2)
+        q = q.view(b, s, heads, hd)
+        k = k.view(b, s, kv_heads, hd)
+        q = q * cos + _rotate_half(q, hd // 2) * sin
+        k = k * cos + _rotate_half(k, hd // 2) * sin
+        present_k, present_v = past_k.clone(), past_v.clone()
+        present_k[:, :, end - s:end] = k.transpose(1, 2)
+        present_v[:, :, end - s:end] = v.view(b, s, kv_heads, hd).transpose(1, 2)
+        group = heads // kv_heads
+        keys = present_k[:, :, :end].repeat_interleave(group, dim=1)  # [b, heads, total, hd]
+        values = present_v[:, :, :end].repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)) * scale + bias  # [b, heads, step, total]
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(b, s, heads * hd)
+        return out, present_k, present_v
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
+                 heads, kv_heads, scale):
+        out, present_k, present_v = g.op(
+            "com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k, total, cos_cache, sin_cache,
+            position_ids, bias, num_heads_i=heads, kv_num_heads_i=kv_heads, do_rotary_i=1, scale_f=scale, outputs=3)
+        out.setType(q.type())
+        present_k.setType(past_k.type())
+        present_v.setType(past_v.type())
+        return out, present_k, present_v
 
 
 class DecoderStep(nn.Module):
@@ -79,8 +147,11 @@ class DecoderStep(nn.Module):
     ``(logits, next_token_ids, *present)`` — shapes in the module docstring.
     """
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, attention: str = "onnx-ops"):
         super().__init__()
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        self.attention = attention
         config = hf_model.config
         self.rope = plan_rope(config)
         # The declared context stops where transformers' rope starts to depend on the call (see lade_export.rope).
@@ -98,6 +169,20 @@ class DecoderStep(nn.Module):
         self.register_buffer("inv_freq", inv_freq.detach().clone().float(), persistent=False)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.scale = 1.0 / math.sqrt(self.dims.head_dim)
+        if attention == "group-query-attention":
+            # cos/sin of every position a step can reach, computed as forward() computes them for one position. ONNX
+            # Runtime's kernel wants a row per key (past + step ≤ rows): the declared context plus room for the
+            # widest step that starts near its end (the runtime refuses profiles wider than STEP_ROOM on it).
+            rows = self.dims.max_context + STEP_ROOM
+            angles = torch.arange(rows, dtype=torch.float32).unsqueeze(-1) * self.inv_freq.float()
+            self.register_buffer("cos_cache", angles.cos() * self.rope_scale, persistent=False)  # [max_context, hd/2]
+            self.register_buffer("sin_cache", angles.sin() * self.rope_scale, persistent=False)
+
+    @property
+    def kv_layout(self) -> str:
+        """``"sequence-major"`` (past [b, past, kv, hd], presents this step only) or
+        ``"head-major-shared"`` (past and present: the same [b, kv, capacity, hd] buffer)."""
+        return "head-major-shared" if self.attention == "group-query-attention" else "sequence-major"
 
     def _attention(self, layer, h, cos, sin, mask, past_k, past_v, b, s, past_len):
         d = self.dims
@@ -131,6 +216,8 @@ class DecoderStep(nn.Module):
         presents = []
         # Shapes read once: the exporter then emits one Shape chain for all layers.
         b, s = input_ids.shape
+        if self.attention == "group-query-attention":
+            return self._forward_fused(h, input_ids, position_ids, attention_mask, logits_positions, past, b)
         past_len = past[0].shape[1]
         for i, layer in enumerate(self.layers):
             a, k, v = self._attention(
@@ -139,11 +226,34 @@ class DecoderStep(nn.Module):
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             presents += [k, v]
+        return self._head(h, logits_positions, presents)
+
+    def _head(self, h, logits_positions, presents):
         # Only the rows the decoder reads go through the final norm and the LM head.
         index = logits_positions.unsqueeze(-1).expand(-1, -1, h.shape[-1])  # [b, n_logits, hidden]
         h = self.norm(torch.gather(h, 1, index))
         logits = self.lm_head(h)  # [b, n_logits, vocab]
         return (logits, torch.argmax(logits, dim=-1), *presents)
+
+    def _forward_fused(self, h, input_ids, position_ids, attention_mask, logits_positions, past, b):
+        """``forward`` with each layer's RoPE and attention as one ``GroupQueryAttention``
+        over head-major cache buffers [b, kv_heads, capacity, hd] (see :class:`_GroupQueryAttention`)."""
+        d = self.dims
+        total = torch.onnx.operators.shape_as_tensor(attention_mask)[3].to(torch.int32)  # past + step
+        seqlens_k = (total - 1).reshape(1).expand(b)
+        bias = torch.where(attention_mask, 0.0, torch.finfo(h.dtype).min).to(h.dtype)  # [b, 1, step, total]
+        presents = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            out, k, v = _GroupQueryAttention.apply(
+                attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), past[2 * i], past[2 * i + 1], seqlens_k, total,
+                self.cos_cache.to(h.dtype), self.sin_cache.to(h.dtype), position_ids, bias, d.heads, d.kv_heads,
+                self.scale)
+            h = h + attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            presents += [k, v]
+        return self._head(h, logits_positions, presents)
 
 
 def run_torch_step(step_module: DecoderStep, feeds: dict, want_logits: bool = True) -> dict:
@@ -191,8 +301,10 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
 
     path = Path(path)
     d = step_module.dims
-    inputs, outputs = step_io_specs(d.num_layers, d.kv_heads, d.head_dim, d.vocab)
-    feeds = example_feeds(d, step=3, past=2)
+    layout = getattr(step_module, "kv_layout", "sequence-major")  # wrappers (reduced precision) are onnx-ops
+    fused_attention = getattr(step_module, "attention", "onnx-ops") == "group-query-attention"
+    inputs, outputs = step_io_specs(d.num_layers, d.kv_heads, d.head_dim, d.vocab, kv_layout=layout)
+    feeds = example_feeds(d, step=3, past=2, kv_layout=layout)
     args = tuple(torch.from_numpy(feeds[s.name]) for s in inputs)
     tmp = path.with_name(path.name + ".raw")
     with torch.inference_mode(False), torch.no_grad():
@@ -205,6 +317,7 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
             dynamic_axes=dynamic_axes(inputs + outputs),
             opset_version=opset,
             do_constant_folding=True,
+            custom_opsets={"com.microsoft": 1} if fused_attention else None,
             dynamo=False,
         )
     model = onnx.load(str(tmp))
@@ -215,11 +328,16 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
 
         model = slim_model(model)
     if fuse:
-        from .fusion import fuse_sibling_matmuls
+        from .fusion import fuse_sibling_matmuls, pack_qkv_into_attention
 
         fuse_sibling_matmuls(model)
+        if fused_attention:
+            pack_qkv_into_attention(model)
     _stamp_io_shapes(model, inputs + outputs)
-    onnx.helper.set_model_props(model, {k: str(v) for k, v in d.as_dict().items()})
+    onnx.helper.set_model_props(model, {**{k: str(v) for k, v in d.as_dict().items()},
+                                        "attention": "group-query-attention" if fused_attention else "onnx-ops",
+                                        "kv_layout": layout,
+                                        **({"step_room": str(STEP_ROOM)} if layout != "sequence-major" else {})})
     nbytes = sum(p.numel() * p.element_size() for p in step_module.parameters())
     external = nbytes > external_data_threshold_bytes
     data_name = path.name + ".data"
@@ -350,6 +468,10 @@ def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: li
                  threads: int | None = None, engine=None) -> list[ParityCase]:
     """Compare ONNX Runtime against the PyTorch step on :func:`reference_cases`.
 
+    ``step_module`` is the reference: give the ``onnx-ops`` formulation (sequence-major
+    cache) also for a ``group-query-attention`` graph, which is then fed through
+    :func:`lade_export.feeds.run_sequence_major`.
+
     ``engine``: an already open :class:`~lade_export.backends.onnxruntime.OrtEngine` on
     ``onnx_path`` (saves a session creation, seconds for a large graph).
 
@@ -363,7 +485,7 @@ def check_parity(step_module: DecoderStep, onnx_path: str | Path, prompt_ids: li
     results = []
     for label, feeds in reference_cases(step_module, prompt_ids, profile):
         ref = run_torch_step(step_module, feeds)
-        got = engine.run(feeds, with_logits=True)
+        got = run_sequence_major(engine, feeds, with_logits=True)
         results.append(compare_outputs(label, feeds, ref, got))
     return results
 
@@ -460,13 +582,13 @@ def check_against_transformers(hf_model, onnx_path: str | Path, dims: ModelDims,
     for n in lengths:
         with torch.inference_mode():
             ref = hf_model(torch.from_numpy(ids[None, :n])).logits[0].float().numpy()  # [n, vocab]
-        out = engine.run({**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty}, with_logits=True)
+        out = run_sequence_major(engine, {**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty}, with_logits=True)
         cases.append(_reference_case("prefill", n, n, 0, ref, out["logits"][0]))
-        head = engine.run({**causal_feeds(ids[: n - 1], 0), **empty})
+        head = run_sequence_major(engine, {**causal_feeds(ids[: n - 1], 0), **empty})
         past = {}
         for i in range(dims.num_layers):
             past[past_key_name(i)] = head[present_key_name(i)]
             past[past_value_name(i)] = head[present_value_name(i)]
-        nxt = engine.run({**causal_feeds(ids[n - 1 : n], n - 1), **past}, with_logits=True)
+        nxt = run_sequence_major(engine, {**causal_feeds(ids[n - 1 : n], n - 1), **past}, with_logits=True)
         cases.append(_reference_case("decode", n, 1, n - 1, ref[-1:], nxt["logits"][0]))
     return cases

@@ -5,7 +5,7 @@ Life cycle of one decode step (the loop in :mod:`lade_export.runtime` is only th
     layout  = state.prepare(last_token, past_len)      # what to feed
     outputs = engine.run({**layout.feeds(), **cache.feeds()})
     verdict = state.update(layout, outputs)            # what was accepted, what to cache
-    cache.append(outputs, verdict.kept_rows)           # unless verdict.stop_reason
+    cache.append(outputs, verdict.kept_rows, layout.step)  # unless verdict.stop_reason
 
 :class:`GreedyState` is plain greedy decoding (one token per step);
 :class:`LookaheadState` is lookahead decoding (Fu, Bailis, Stoica, Zhang, "Break the

@@ -308,15 +308,15 @@ def quality_report(reference_engine, quantized_engine, sequences: list[tuple[lis
         ``{"positions", "top1_agreement" (fraction of positions whose argmax agrees),
         "max_abs_logit_diff", "sequences"}``.
     """
-    from .feeds import causal_feeds, empty_past_feeds
+    from .feeds import causal_feeds, empty_past_feeds, run_sequence_major
 
     agree = total = 0
     worst = 0.0
     for ids, start in sequences:
         rows = np.arange(start - 1, len(ids) - 1)
         feeds = {**causal_feeds(ids, 0, logit_rows=rows), **empty_past_feeds(reference_engine.dims)}
-        ref = reference_engine.run(feeds, with_logits=True)["logits"][0]
-        got = quantized_engine.run(feeds, with_logits=True)["logits"][0]
+        ref = run_sequence_major(reference_engine, feeds, with_logits=True)["logits"][0]
+        got = run_sequence_major(quantized_engine, feeds, with_logits=True)["logits"][0]
         agree += int(np.sum(ref.argmax(-1) == got.argmax(-1)))
         total += len(rows)
         worst = max(worst, float(np.max(np.abs(ref - got))))

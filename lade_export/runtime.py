@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Protocol
 
 from .detokenize import TextStream
 from .errors import GenerationError, ProfileError
-from .feeds import causal_feeds, empty_past_feeds
+from .feeds import causal_feeds
 from .kv_cache import KVCache
 from .lookahead import StopRules, new_state
 from .profile import LookaheadProfile
@@ -266,13 +266,15 @@ class Decoder:
         rules = StopRules(self.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
         state = new_state(profile, self.dims.vocab, prompt, rules, sampling)
         stats = GenerationStats(prompt_tokens=len(prompt), decoding=sampling.describe() if sampling else "greedy")
-        cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens)
+        widest = profile.max_step if profile is not None else 1
+        cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens,
+                        layout=getattr(self.engine, "kv_layout", "sequence-major"), step_room=widest)
         key = id(cache)
         with self._lock:
             self._live[key] = cache.nbytes
         try:
             if len(prompt) > 1:
-                cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **empty_past_feeds(self.dims)}))
+                cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **cache.feeds()}), step=len(prompt) - 1)
             stats.prefill_s = time.perf_counter() - t0
             histogram: Counter = Counter()
             engine_s = 0.0
@@ -300,7 +302,7 @@ class Decoder:
                 if verdict.stop_reason is not None:
                     reason, last_ids = verdict.stop_reason, verdict.accepted
                     break
-                cache.append(outputs, verdict.kept_rows)
+                cache.append(outputs, verdict.kept_rows, step=layout.step)
                 yield Chunk(text.take(), verdict.accepted)
             stats.decode_s = time.perf_counter() - t1
             stats.host_s = max(stats.decode_s - engine_s, 0.0)

@@ -112,7 +112,19 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
-def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, float_dtype: str = "float32"):
+#: KV cache layouts of the step graph (manifest ``graph.kv_layout_name``).
+#: ``sequence-major``: past [batch, past, kv_heads, head_dim] (the filled prefix of a
+#: sequence-major buffer, contiguous), present = this step's keys/values only.
+#: ``head-major-shared``: past and present are one [batch, kv_heads, capacity, head_dim]
+#: buffer per tensor, filled up to ``past`` = (attention_mask columns − step); the step
+#: writes its keys/values at [past, past+step) of the buffer it is given, in place when
+#: the caller binds each present output to its past input's memory (ONNX Runtime's
+#: ``GroupQueryAttention`` with a shared past/present buffer).
+KV_LAYOUTS = ("sequence-major", "head-major-shared")
+
+
+def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, float_dtype: str = "float32",
+                  kv_layout: str = "sequence-major"):
     """Return ``(inputs, outputs)``: lists of :class:`TensorSpec` for the decoder step.
 
     Args:
@@ -121,7 +133,14 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
         head_dim: per-head width.
         vocab: vocabulary size (last dim of ``logits``).
         float_dtype: dtype of the KV cache and logits.
+        kv_layout: one of :data:`KV_LAYOUTS`.
+
+    Raises:
+        ValueError: an unknown ``kv_layout``.
     """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    shared = kv_layout == "head-major-shared"
     inputs = [
         TensorSpec("input_ids", ("batch", "step"), "int64", "token ids of this step, in feed order"),
         TensorSpec("position_ids", ("batch", "step"), "int64", "RoPE position of each fed token (need not be contiguous)"),
@@ -141,6 +160,9 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     for i in range(num_layers):
         for name in (past_key_name(i), past_value_name(i)):
             inputs.append(
+                TensorSpec(name, ("batch", kv_heads, "capacity", head_dim), float_dtype,
+                           f"layer {i} keys/values buffer, head-major, filled up to past (RoPE applied to keys)")
+                if shared else
                 TensorSpec(name, ("batch", "past", kv_heads, head_dim), float_dtype,
                            f"layer {i} cached keys/values, sequence-major (RoPE applied to keys)")
             )
@@ -151,6 +173,9 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     for i in range(num_layers):
         for name in (present_key_name(i), present_value_name(i)):
             outputs.append(
+                TensorSpec(name, ("batch", kv_heads, "capacity", head_dim), float_dtype,
+                           f"layer {i} the past buffer with this step's keys/values at [past, past+step)")
+                if shared else
                 TensorSpec(name, ("batch", "step", kv_heads, head_dim), float_dtype,
                            f"layer {i} keys/values of this step only, sequence-major")
             )

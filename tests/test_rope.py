@@ -14,7 +14,7 @@ from lade_export.artifact import Artifact
 from lade_export.backends.onnxruntime import OrtEngine
 from lade_export.build import build_artifact
 from lade_export.errors import GenerationError, ModelSourceError
-from lade_export.feeds import causal_feeds, empty_past_feeds
+from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
 from lade_export.graph import PARITY_MAX_ABS
 from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.rope import RopePlan, plan_rope, reference_lengths
@@ -82,11 +82,12 @@ def _tokens(n: int) -> np.ndarray:
 def _graph_vs_transformers(engine, dims, model, ids, n):
     """max |Δlogit| and argmax agreement of a prefill of n tokens (every row) and a decode
     step at position n, each against transformers run fresh on the same tokens."""
-    out = engine.run({**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty_past_feeds(dims)}, with_logits=True)
+    out = run_sequence_major(engine, {**causal_feeds(ids[:n], 0, logit_rows=np.arange(n)), **empty_past_feeds(dims)},
+                             with_logits=True)
     past = {}
     for i in range(dims.num_layers):
         past[past_key_name(i)], past[past_value_name(i)] = out[present_key_name(i)], out[present_value_name(i)]
-    step = engine.run({**causal_feeds(ids[n:n + 1], n), **past}, with_logits=True)
+    step = run_sequence_major(engine, {**causal_feeds(ids[n:n + 1], n), **past}, with_logits=True)
     with torch.inference_mode():
         ref = model(torch.from_numpy(ids[None, :n])).logits[0].numpy()
         ref_next = model(torch.from_numpy(ids[None, :n + 1])).logits[0, -1:].numpy()

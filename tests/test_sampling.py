@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from lade_export.feeds import causal_feeds, empty_past_feeds
+from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
 from lade_export.profile import LookaheadProfile
 from lade_export.sampling import SamplingParams, SamplingRule, filtered_probs
 
@@ -37,7 +37,8 @@ class ExactDistribution:
 
     def next(self, ids: tuple) -> np.ndarray:
         if ids not in self.cache:
-            out = self.engine.run({**causal_feeds(list(ids), 0), **empty_past_feeds(self.engine.dims)}, with_logits=True)
+            out = run_sequence_major(self.engine, {**causal_feeds(list(ids), 0), **empty_past_feeds(self.engine.dims)},
+                                         with_logits=True)
             self.cache[ids] = filtered_probs(out["logits"][0, 0], self.params)
         return self.cache[ids]
 

@@ -51,6 +51,8 @@ def test_manifest_records_smollm2_facts(smollm2_artifact):
     dims = m["model"]["dims"]
     assert (dims["num_layers"], dims["heads"], dims["kv_heads"], dims["head_dim"], dims["vocab"]) == (30, 9, 3, 64, 49152)
     assert dims["tied_embeddings"] is True
+    # The exactness tests above run on the fused-attention graph (head width 64: ONNX Runtime's GroupQueryAttention).
+    assert (m["graph"]["attention"], m["graph"]["kv_cache"]) == ("group-query-attention", "head-major-shared")
     assert IM_END in m["model"]["stop_token_ids"]
     assert m["tokenizer"]["chat_template"].startswith("{% for message in messages %}")
     assert all(c["max_abs"] <= 1e-3 and c["rel"] <= 1e-5 and c["argmax_equal"] for c in m["parity"]["cases"])

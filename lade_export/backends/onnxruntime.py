@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ArtifactError, BackendUnavailableError, EngineError
-from ..specs import ModelDims
+from ..errors import ArtifactError, BackendUnavailableError, EngineError, ProfileError
+from ..specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
 
 
 class OrtEngine:
@@ -21,6 +21,14 @@ class OrtEngine:
 
     ``run`` may be called from several threads at once (ONNX Runtime sessions allow
     concurrent ``Run`` calls and release the GIL while running).
+
+    Attributes:
+        kv_layout: the graph's KV cache layout (:data:`lade_export.specs.KV_LAYOUTS`), read
+            from the model's metadata. For ``head-major-shared`` (``GroupQueryAttention``
+            graphs) ``run`` takes each ``past_key_values.*`` feed as the cache buffer itself
+            (float32 C-contiguous [batch, kv_heads, capacity, head_dim]) and binds the
+            matching ``present.*`` output to the same memory, so ONNX Runtime writes this
+            step's keys and values into the caller's buffer and copies nothing else.
 
     Raises:
         ArtifactError: the model file is missing or ORT cannot load it.
@@ -55,6 +63,25 @@ class OrtEngine:
         self.dims = dims
         self._all_outputs = [o.name for o in self.session.get_outputs()]
         self._fast_outputs = [n for n in self._all_outputs if n != "logits"]
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.kv_layout = meta.get("kv_layout", "sequence-major")
+        self.step_room = int(meta["step_room"]) if "step_room" in meta else None
+        self._shared = {}  # past input name -> present output name (head-major-shared)
+        if self.kv_layout == "head-major-shared":
+            self._shared = {past_key_name(i): present_key_name(i) for i in range(dims.num_layers)}
+            self._shared.update({past_value_name(i): present_value_name(i) for i in range(dims.num_layers)})
+
+    def check_profile(self, profile) -> None:
+        """Refuse a lookahead profile whose widest step the graph cannot take.
+
+        Raises:
+            ProfileError: a ``group-query-attention`` graph has rotary rows for at most
+                ``step_room`` tokens past its context, and the profile's ``max_step`` is wider.
+        """
+        if self.step_room is not None and profile.max_step > self.step_room:
+            raise ProfileError(f"profile {profile.name!r}: its largest step ({profile.max_step} tokens) is wider than "
+                               f"this graph takes ({self.step_room}, GroupQueryAttention's rotary table); give a "
+                               "smaller W, N or G")
 
     def run(self, feeds: dict, with_logits: bool = False) -> dict:
         """One forward pass. ``feeds``: numpy arrays by input name. Returns numpy arrays by
@@ -63,12 +90,46 @@ class OrtEngine:
         Raises:
             EngineError: ONNX Runtime failed to run the feeds (first line of its message).
         """
+        if self._shared:
+            return self._run_shared(feeds, with_logits)
         names = self._all_outputs if with_logits else self._fast_outputs
         feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
         try:
             return dict(zip(names, self.session.run(names, feeds)))
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+
+    def _run_shared(self, feeds: dict, with_logits: bool) -> dict:
+        """``run`` for a ``head-major-shared`` graph: each cache buffer is bound as its past
+        input and as its present output (I/O binding), so the step writes into it in place.
+        Returns ``next_token_ids`` (and ``logits``) plus the buffers under the present names."""
+        binding = self.session.io_binding()
+        out = {}
+        for name, value in feeds.items():
+            present = self._shared.get(name)
+            if present is None:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                continue
+            if value.dtype != np.float32 or not value.flags.c_contiguous or not value.flags.writeable:
+                raise EngineError(f"{name}: the cache buffer must be a writeable C-contiguous float32 array "
+                                  f"[batch, kv_heads, capacity, head_dim], got {value.dtype} {value.shape}")
+            pointer = value.ctypes.data
+            binding.bind_input(name, "cpu", 0, np.float32, value.shape, pointer)
+            binding.bind_output(present, "cpu", 0, np.float32, value.shape, pointer)
+            out[present] = value
+        # The small outputs go to arrays of their known shapes, so nothing is fetched back.
+        rows = np.shape(feeds["logits_positions"])
+        out["next_token_ids"] = np.empty(rows, np.int64)
+        if with_logits:
+            out["logits"] = np.empty((*rows, self.dims.vocab), np.float32)
+        for name in ("next_token_ids", "logits") if with_logits else ("next_token_ids",):
+            array = out[name]
+            binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as err:  # onnxruntime's Fail / InvalidArgument
+            raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+        return out
 
     def close(self) -> None:
         self.session = None
