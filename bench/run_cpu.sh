@@ -3,7 +3,8 @@
 #
 #   bash bench/run_cpu.sh [--tune]
 #
-# 1. Builds (once) the float32, int4 and int8 artifacts under build/.
+# 1. Builds (once) the float32, int4, int4-greedy (int8 activations, greedy only) and int8
+#    artifacts under build/ (delete one to rebuild it with the current exporter).
 # 2. With --tune: tunes a profile for float32 and for int4 on MT-Bench prompts 16..23,
 #    validated on our own chat set (bench/prompts/chat.jsonl) — the shipped default
 #    profiles come from such runs; the tuned files land in bench/results/tuned-*.toml.
@@ -25,6 +26,9 @@ mkdir -p build bench/results
 [ -d build/smollm2 ] || lade-export build --out build/smollm2
 [ -d build/smollm2-int4 ] || lade-export build --out build/smollm2-int4 --precision int4
 [ -d build/smollm2-int8 ] || lade-export build --out build/smollm2-int8 --precision int8
+# int4 layers and an 8-bit head with int8 activations (llama.cpp's Q4_1 x Q8_1 arithmetic): greedy only.
+[ -d build/smollm2-int4-greedy ] || lade-export build --out build/smollm2-int4-greedy --precision int4 \
+  --accuracy-level 4 --head-bits 8 --profile greedy-only
 
 if [ "$TUNE" = 1 ]; then
   for art in smollm2 smollm2-int4; do
@@ -42,7 +46,7 @@ else
 fi
 for ds in mt_bench humaneval gsm8k; do
   lade-export compare build/smollm2 --dataset "$ds" --limit 16 --max-new-tokens 256 --profile default \
-    --also build/smollm2-int4 --also build/smollm2-int8 "${PEERS[@]}" \
+    --also build/smollm2-int4 --also build/smollm2-int4-greedy --also build/smollm2-int8 "${PEERS[@]}" \
     --title "SmolLM2-135M-Instruct, $ds, 2-core CPU" \
     --out "bench/results/cpu-$ds" | tee "bench/results/compare-$ds.log"
 done

@@ -652,12 +652,14 @@ def inspect(artifact_dir, as_json):
     shown = [x for x in specs if not x[1]["name"].startswith(("past_key_values.", "present."))]
     for kind, s in shown:
         io.add_row(kind, s["name"], escape("[" + ", ".join(map(str, s["shape"])) + "]"), s["dtype"])
-    io.add_row("in", f"past_key_values.{{0..{d['num_layers'] - 1}}}.key/.value",
-               escape(f"[batch, past, {d['kv_heads']}, {d['head_dim']}]"), "float32")
-    io.add_row("out", f"present.{{0..{d['num_layers'] - 1}}}.key/.value",
-               escape(f"[batch, step, {d['kv_heads']}, {d['head_dim']}]"), "float32")
+    cache = {s["name"]: s for _, s in specs}
+    for kind, name in (("in", "past_key_values"), ("out", "present")):
+        first = cache[f"{name}.0.key"]
+        io.add_row(kind, f"{name}.{{0..{d['num_layers'] - 1}}}.key/.value",
+                   escape("[" + ", ".join(map(str, first["shape"])) + "]"), first["dtype"])
     console.print(io)
     console.print(escape(f"mask: {m['graph']['mask']}"))
+    console.print(escape(f"attention: {m['graph'].get('attention', 'onnx-ops')}; KV cache: {m['graph']['kv_layout']}"))
     par = Table(title="parity (ONNX Runtime vs PyTorch)")
     for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):
         par.add_column(col)

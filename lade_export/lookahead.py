@@ -165,7 +165,8 @@ class LookaheadState(GreedyState):
         then the pool's (N−1)-grams, most recent first."""
         cands = []
         if self.profile.lookup and self.sequence and self.sequence[-1] == last_token:
-            cands += self.history.lookup(self.sequence, self.profile.lookup, self.profile.lookup_branches)
+            cands += self.history.lookup(self.sequence, self.profile.lookup, self.profile.lookup_branches,
+                                         self.profile.lookup_min_match)
         cands += [list(c) for c in self.pool.candidates(last_token)]
         return cands
 

@@ -273,7 +273,7 @@ class HistoryIndex:
                         del ends[0]
         self.indexed = max(self.indexed, n - 1)
 
-    def lookup(self, sequence: list, length: int, branches: int = 1) -> list[list[int]]:
+    def lookup(self, sequence: list, length: int, branches: int = 1, min_match: int = 1) -> list[list[int]]:
         """Up to ``branches`` distinct continuations of the sequence's suffix: the longest
         match first, most recent occurrence first, each :meth:`span` tokens long.
 
@@ -281,12 +281,13 @@ class HistoryIndex:
             sequence: every token so far (prompt and output).
             length: K, the most tokens of one continuation.
             branches: how many continuations (with distinct first tokens) to return.
+            min_match: shortest suffix match (tokens) that counts.
         """
         self._index(sequence)
         n = len(sequence)
         found: list[list[int]] = []
         firsts = set()
-        for m in range(min(self.MAX_MATCH, n), 0, -1):
+        for m in range(min(self.MAX_MATCH, n), min_match - 1, -1):
             for end in reversed(self.ends.get(tuple(sequence[n - m:]), ())):
                 cont = sequence[end + 1: min(end + 1 + self.span(m, length), n)]
                 if cont and cont[0] not in firsts:

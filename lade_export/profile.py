@@ -13,7 +13,10 @@ arXiv 2402.02057):
   output so far (prompt-lookup style). 0 keeps the paper's algorithm unchanged.
   ``lookup_branches`` (default 1) takes that many such continuations, from distinct
   earlier occurrences (shorter for weaker suffix matches; see
-  :class:`lade_export.ngram.HistoryIndex`).
+  :class:`lade_export.ngram.HistoryIndex`); ``lookup_min_match`` (1–3, default 1) is the
+  shortest suffix match that proposes one at all — 2 drops the one-token matches, whose
+  ≤ 2-token guesses rarely pay for a wider step on engines where any multi-token step
+  costs twice a one-token step (int4 with float32 compute).
 
 One decode step then feeds at most ``1 + (W + G)·(N−1) + K·branches`` tokens: the last
 accepted token, the W×(N−1) window and the verification branch (candidates sharing a
@@ -34,6 +37,7 @@ TOML layout (``lade_export/profiles/default.toml``, shipped with the package)::
     guesses = 5               # G ≥ 0
     lookup = 0                # K ≥ 0, optional
     lookup_branches = 1       # ≥ 1, optional
+    lookup_min_match = 1      # 1..3, optional
     seed_pool_from_prompt = true   # optional
 """
 
@@ -47,7 +51,8 @@ from pathlib import Path
 from .errors import ProfileError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
-_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "lookup_branches", "enabled", "seed_pool_from_prompt"}
+_LOOKAHEAD_KEYS = {"window", "ngram", "guesses", "lookup", "lookup_branches", "lookup_min_match", "enabled",
+                   "seed_pool_from_prompt"}
 _TOP_KEYS = {"name", "description", "lookahead"}
 
 
@@ -63,6 +68,8 @@ class LookaheadProfile:
         seed_pool_from_prompt: whether the n-gram pool starts with the prompt's own n-grams.
         lookup: K, tokens of a history-lookup candidate (≥ 0; 0 disables it).
         lookup_branches: history-lookup candidates per step (≥ 1).
+        lookup_min_match: shortest suffix match (tokens, 1–3) that proposes a history
+            candidate.
         enabled: False makes this the plain greedy setting (what ``tune`` writes when no
             profile beats greedy on the machine); W, N, G are then ignored.
 
@@ -78,19 +85,25 @@ class LookaheadProfile:
     lookup: int = 0
     lookup_branches: int = 1
     enabled: bool = True
+    lookup_min_match: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ProfileError(
                 f"profile name {self.name!r} must be letters, digits, '.', '_' or '-' (it names engine files)"
             )
-        for key, low in (("window", 0), ("ngram", 2), ("guesses", 0), ("lookup", 0), ("lookup_branches", 1)):
+        for key, low in (("window", 0), ("ngram", 2), ("guesses", 0), ("lookup", 0), ("lookup_branches", 1),
+                         ("lookup_min_match", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"profile {self.name!r}: {key} must be an integer, got {value!r}")
             if value < low:
-                letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K", "lookup_branches": "B"}[key]
+                letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K", "lookup_branches": "B",
+                          "lookup_min_match": "M"}[key]
                 raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
+        if self.lookup_min_match > 3:
+            raise ProfileError(f"profile {self.name!r}: lookup_min_match (M) must be 1, 2 or 3 (the longest suffix "
+                               f"match the history index keeps), got {self.lookup_min_match}")
         if not isinstance(self.enabled, bool):
             raise ProfileError(f"profile {self.name!r}: enabled must be true or false, got {self.enabled!r}")
         if not isinstance(self.seed_pool_from_prompt, bool):
@@ -135,6 +148,7 @@ class LookaheadProfile:
             "guesses": self.guesses,
             "lookup": self.lookup,
             "lookup_branches": self.lookup_branches,
+            "lookup_min_match": self.lookup_min_match,
             "enabled": self.enabled,
             "seed_pool_from_prompt": self.seed_pool_from_prompt,
             "max_step": self.max_step,
@@ -154,6 +168,7 @@ class LookaheadProfile:
                 guesses=data["guesses"],
                 lookup=data.get("lookup", 0),
                 lookup_branches=data.get("lookup_branches", 1),
+                lookup_min_match=data.get("lookup_min_match", 1),
                 enabled=data.get("enabled", True),
                 name=data.get("name", name),
                 seed_pool_from_prompt=data.get("seed_pool_from_prompt", True),
@@ -178,6 +193,7 @@ class LookaheadProfile:
             f"guesses = {self.guesses}    # G: verification candidates per step",
             f"lookup = {self.lookup}     # K: tokens of a history-lookup candidate (0: off)",
             f"lookup_branches = {self.lookup_branches}  # history-lookup candidates per step",
+            f"lookup_min_match = {self.lookup_min_match}  # shortest suffix match that proposes a candidate (1-3)",
             f"enabled = {'true' if self.enabled else 'false'}  # false: plain greedy decoding",
             f"seed_pool_from_prompt = {'true' if self.seed_pool_from_prompt else 'false'}",
             f"# max step = 1 + (W + G)*(N - 1) + K*branches = {self.max_step} tokens",

@@ -22,6 +22,12 @@ int4 graph behaves like the float32 one. So:
   is ~30× slower than float32 here), so int8 uses level 4 and its artifacts say
   ``lookahead_exact: false``: the runtime decodes them greedily (or by sampling) one token
   per step and refuses lookahead rather than break the promise.
+* ``int4`` with ``accuracy_level`` 4 and ``head_bits`` 8 (``build --precision int4
+  --accuracy-level 4 --head-bits 8 --profile greedy-only``): the arithmetic of llama.cpp's
+  Q4_1 × Q8_1 kernels (4-bit weights, activations rounded to 8 bits per block) with the
+  head and embedding at 8 bits, exact for SmolLM2's Q8_0 ``token_embd``. Greedy only, like
+  int8; on SmolLM2 a one-token step takes ~10.8 ms against ~15.5 ms for exact int4
+  (bench/results/README.md), most of it the 8-bit head in place of the float32 one.
 
 **Weights.** Transformer layers use ``minmax`` blocks: asymmetric, ``w = scale · (q − z)``
 with ``scale = (max − min) / (2^bits − 1)`` and a real-valued zero point ``z = −min/scale``.

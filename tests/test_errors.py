@@ -206,8 +206,12 @@ CASES = [
      "TOML syntax error: Invalid value (at line 3, column 9)"),
     ("profile-unknown-key", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                               _profile(t, "[lookahead]\nwindow=3\nngram=4\nguesses=2\nwidth=9\n")], 2,
-     "unknown key(s) in [lookahead]: width; expected enabled, guesses, lookup, lookup_branches, ngram, "
-     "seed_pool_from_prompt, window"),
+     "unknown key(s) in [lookahead]: width; expected enabled, guesses, lookup, lookup_branches, lookup_min_match, "
+     "ngram, seed_pool_from_prompt, window"),
+    ("profile-min-match-range", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                                 _profile(t, "[lookahead]\nwindow=0\nngram=2\nguesses=0\nlookup=8\n"
+                                                             "lookup_min_match=4\n")], 2,
+     "lookup_min_match (M) must be 1, 2 or 3 (the longest suffix match the history index keeps), got 4"),
     ("profile-w-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                              _profile(t, "[lookahead]\nwindow=-1\nngram=4\nguesses=2\n")], 2,
      "window (W) must be ≥ 0, got -1"),
@@ -273,6 +277,16 @@ CASES = [
     ("build-block-size", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--block-size", 128,
                                           "--out", t / "o"], 2,
      "--block-size 128 does not divide the model's hidden size 64; give a power of two ≥ 16 that does (e.g. 32)"),
+    ("build-attention-head-width", lambda t, s, a: ["build", "--model", s, "--attention", "group-query-attention",
+                                                    "--out", t / "o"], 2,
+     "--attention group-query-attention needs a head width that is a multiple of 16 (ONNX Runtime's kernel); this "
+     "model's is 8: use --attention onnx-ops"),
+    ("build-attention-tensorrt", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--attention",
+                                                  "group-query-attention", "--out", t / "o"], 2,
+     "--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot parse; --engine tensorrt "
+     "takes --attention onnx-ops"),
+    ("build-head-bits-fp32", lambda t, s, a: ["build", "--model", s, "--head-bits", "8", "--out", t / "o"], 2,
+     "--head-bits 8 quantizes the head of an int8/int4 ONNX Runtime build; give --precision int8 or int4"),
     ("build-precision-tensorrt-int4", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--precision",
                                                        "int4", "--out", t / "o"], 2,
      "--precision int4 makes MatMulNBits weights, which TensorRT cannot parse; --engine tensorrt takes fp16, bf16 or fp32"),
@@ -366,7 +380,8 @@ def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
     ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent", "build-rope-capped",
-                                   "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra"} | \
+                                   "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
+                                   "generate-profile-wider-than-step-room"} | \
         set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids

@@ -156,3 +156,13 @@ def test_history_lookup_span_follows_match_strength():
 
     assert [HistoryIndex.span(m, 10) for m in (3, 2, 1)] == [10, 5, 2]
     assert [HistoryIndex.span(m, 1) for m in (3, 2, 1)] == [1, 1, 1]
+
+
+def test_history_lookup_min_match_drops_weaker_suffix_matches():
+    prompt = [1, 7, 8, 9, 10, 11, 2, 5, 8]  # (5, 8) never occurred before; 8 alone did, followed by 9, 10
+    weak = LookaheadState(LookaheadProfile(0, 2, 0, lookup=4), vocab=50, prompt_ids=prompt)
+    assert weak.candidates(8) == [[9, 10]]  # a 1-token match: at most 2 tokens
+    strict = LookaheadState(LookaheadProfile(0, 2, 0, lookup=4, lookup_min_match=2), vocab=50, prompt_ids=prompt)
+    assert strict.candidates(8) == []  # a one-token step
+    strict.observe([9])  # the sequence now ends (8, 9): a 2-token match
+    assert strict.candidates(9) == [[10, 11]]
