@@ -193,7 +193,9 @@ run() {
   fi
   say "building $art ${trt_args[*]:-}"
   run_or_print rm -rf "$art"
-  run_or_print "$PY" cli.py build --model "$gguf" --out "$art" "${profiles[@]}" "${trt_args[@]}"
+  # Standard attention operators: ONNX Runtime's CUDA GroupQueryAttention takes float16 only, so a float32
+  # fused-attention graph would run its attention on the CPU under the CUDA execution provider.
+  run_or_print "$PY" cli.py build --model "$gguf" --out "$art" "${profiles[@]}" "${trt_args[@]}" --attention onnx-ops
   title="SmolLM2-135M-Instruct, mt_bench, $gpu"
   compare() {  # name, backend args...
     local name=$1; shift
