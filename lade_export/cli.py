@@ -115,8 +115,10 @@ def _profiles(values) -> list:
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, read and updated (reuse it across builds).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Largest batch the engines accept.")
-@click.option("--max-prompt", type=int, default=None, help="Longest prompt prefilled at once (default: context/2).")
-@click.option("--max-context", type=int, default=None, help="Context bound of the engines (default: the model's).")
+@click.option("--max-prompt", type=int, default=None,
+              help="TensorRT engines: longest prompt prefilled at once (default: context/2).")
+@click.option("--max-context", type=int, default=None,
+              help="TensorRT engines: context bound of their optimization profiles (default: the model's).")
 @click.option("--version-compatible", is_flag=True, help="TensorRT version-compatible engines (for later runtimes).")
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
 @click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")

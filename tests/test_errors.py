@@ -212,6 +212,11 @@ CASES = [
                                                  _profile(t, "[lookahead]\nwindow=0\nngram=2\nguesses=0\nlookup=8\n"
                                                              "lookup_min_match=4\n")], 2,
      "lookup_min_match (M) must be 1, 2 or 3 (the longest suffix match the history index keeps), got 4"),
+    ("profile-min-match-without-lookup", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
+                                                          _profile(t, "[lookahead]\nwindow=1\nngram=3\nguesses=2\n"
+                                                                      "lookup_min_match=2\n")], 2,
+     "lookup_min_match applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
+     "lookup_min_match"),
     ("profile-w-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                              _profile(t, "[lookahead]\nwindow=-1\nngram=4\nguesses=2\n")], 2,
      "window (W) must be ≥ 0, got -1"),
