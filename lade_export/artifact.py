@@ -275,10 +275,17 @@ class Artifact:
 
     def default_profile(self):
         """The profile a request gets when it names none: the manifest's
-        ``default_profile``, else the first built profile (None: plain greedy)."""
+        ``default_profile``, else the first built profile (None: plain greedy).
+
+        Raises:
+            ArtifactError: ``default_profile`` names none of the manifest's profiles.
+        """
         profiles = self.profiles()
         name = self.manifest.get("default_profile")
         for p in profiles:
             if p.name == name:
                 return p
+        if name is not None:
+            raise ArtifactError(f"{self.root / 'manifest.json'}: default_profile {name!r} is not one of its profiles "
+                                f"({', '.join(p.name for p in profiles) or 'none'}); fix the manifest or rebuild")
         return profiles[0] if profiles else None

@@ -98,7 +98,7 @@ def _profiles(values) -> list:
               help="The weights' numeric format. ONNX Runtime: fp32 (default), int8 or int4 (weight-only "
                    "MatMulNBits); TensorRT: fp16 (default), bf16 or fp32 (TensorRT 10: builder flags on the float32 "
                    "graph; 11: a strongly typed network from the step exported in that precision).")
-@click.option("--block-size", type=int, default=32, show_default=True, help="int8/int4: weights per quantization scale.")
+@click.option("--block-size", type=int, default=None, help="int8/int4: weights per quantization scale (default 32).")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="int8/int4: MatMulNBits compute type (default: 1, float32, for int4; 4, int8 activations, for "
                    "int8). Only 0 and 1 keep lookahead exact; other levels make an artifact that decodes without "
@@ -141,6 +141,12 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     if engine == "tensorrt" and attention == "group-query-attention":
         raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
                            "parse; --engine tensorrt takes --attention onnx-ops")
+    quantized = engine == "onnx" and bool(ORT_PRECISIONS.get(precision))
+    for option, value in (("--block-size", block_size), ("--accuracy-level", accuracy_level)):
+        if value is not None and not quantized:
+            raise ProfileError(f"{option} applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); "
+                               f"this build is {precision}")
+    block_size = 32 if block_size is None else block_size
     if int(head_bits) and not (engine == "onnx" and ORT_PRECISIONS[precision]):
         raise ProfileError(f"--head-bits {head_bits} quantizes the head of an int8/int4 ONNX Runtime build; "
                            f"give --precision int8 or int4")

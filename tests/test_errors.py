@@ -120,6 +120,14 @@ def _manifest_without_model(tmp, art):
     return a
 
 
+def _unknown_default_profile(tmp, art):
+    a = _copy_artifact(art, tmp)
+    m = json.loads((a / "manifest.json").read_text())
+    m["default_profile"] = "nosuch"
+    (a / "manifest.json").write_text(json.dumps(m))
+    return a
+
+
 def _non_utf8(tmp):
     f = tmp / "prompt.txt"
     f.write_bytes(b"caf\xe9 \xff")
@@ -290,6 +298,11 @@ CASES = [
                                                   "group-query-attention", "--out", t / "o"], 2,
      "--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot parse; --engine tensorrt "
      "takes --attention onnx-ops"),
+    ("build-block-size-fp32", lambda t, s, a: ["build", "--model", s, "--block-size", 64, "--out", t / "o"], 2,
+     "--block-size applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); this build is fp32"),
+    ("artifact-unknown-default-profile", lambda t, s, a: ["generate", _unknown_default_profile(t, a), "--prompt", "hi",
+                                                          "--max-new-tokens", 2], 2,
+     "default_profile 'nosuch' is not one of its profiles (default, small); fix the manifest or rebuild"),
     ("build-head-bits-fp32", lambda t, s, a: ["build", "--model", s, "--head-bits", "8", "--out", t / "o"], 2,
      "--head-bits 8 quantizes the head of an int8/int4 ONNX Runtime build; give --precision int8 or int4"),
     ("build-precision-tensorrt-int4", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--precision",
