@@ -314,6 +314,19 @@ KV_LAYOUT_TEXT = {
 }
 
 
+def refuse_fused_attention_on_tensorrt(requested: str, tensorrt: bool) -> None:
+    """Raise before any work when a TensorRT build asks for ``group-query-attention``.
+
+    Raises:
+        ProfileError: ``requested`` is ``group-query-attention`` and ``tensorrt`` is set.
+    """
+    from .errors import ProfileError
+
+    if requested == "group-query-attention" and tensorrt:
+        raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
+                           "parse; --engine tensorrt takes --attention onnx-ops")
+
+
 def choose_attention(requested: str, dims, tensorrt: bool = False) -> str:
     """The attention formulation of a build (``--attention``).
 
@@ -335,9 +348,7 @@ def choose_attention(requested: str, dims, tensorrt: bool = False) -> str:
         return "group-query-attention" if fits and not tensorrt else "onnx-ops"
     if requested not in ATTENTION_KINDS:
         raise ProfileError(f"--attention must be auto, {' or '.join(ATTENTION_KINDS)}, got {requested!r}")
-    if requested == "group-query-attention" and tensorrt:
-        raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
-                           "parse; --engine tensorrt takes --attention onnx-ops")
+    refuse_fused_attention_on_tensorrt(requested, tensorrt)
     if requested == "group-query-attention" and not fits:
         raise ProfileError(f"--attention group-query-attention needs a head width that is a multiple of 16 (ONNX "
                            f"Runtime's kernel); this model's is {dims.head_dim}: use --attention onnx-ops")

@@ -127,7 +127,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
     (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
     per profile)."""
-    from .build import build_artifact, default_profile_for
+    from .build import build_artifact, default_profile_for, refuse_fused_attention_on_tensorrt
     from .optimization_profiles import describe_plan, engine_plans
     from .quantize import ORT_PRECISIONS, QuantSpec
 
@@ -138,20 +138,17 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     if engine == "tensorrt" and precision in ("int8", "int4"):
         raise ProfileError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
                            "--engine tensorrt takes fp16, bf16 or fp32")
-    if engine == "tensorrt" and attention == "group-query-attention":
-        raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
-                           "parse; --engine tensorrt takes --attention onnx-ops")
+    refuse_fused_attention_on_tensorrt(attention, engine == "tensorrt")
     quantized = engine == "onnx" and bool(ORT_PRECISIONS.get(precision))
     for option, value in (("--block-size", block_size), ("--accuracy-level", accuracy_level)):
         if value is not None and not quantized:
             raise ProfileError(f"{option} applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); "
                                f"this build is {precision}")
     block_size = 32 if block_size is None else block_size
-    if int(head_bits) and not (engine == "onnx" and ORT_PRECISIONS[precision]):
+    if int(head_bits) and not quantized:
         raise ProfileError(f"--head-bits {head_bits} quantizes the head of an int8/int4 ONNX Runtime build; "
                            f"give --precision int8 or int4")
-    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level, int(head_bits)) \
-        if engine == "onnx" and ORT_PRECISIONS[precision] else None
+    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level, int(head_bits)) if quantized else None
     profiles = _profiles(profile_values or (default_profile_for(precision),))
     if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
         raise ProfileError(f"--precision {precision} with accuracy level {quantization.accuracy_level} computes one-token "

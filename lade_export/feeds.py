@@ -35,14 +35,8 @@ def causal_feeds(token_ids, past_len: int, logit_rows=None) -> dict:
     }
 
 
-def empty_past_feeds(dims: ModelDims, kv_layout: str = "sequence-major", capacity: int = 0) -> dict:
-    """``past_key_values.*`` feeds of an empty cache: float32 [1, 0, kv_heads, head_dim] each
-    (sequence-major), or a fresh zero buffer [1, kv_heads, capacity, head_dim] per tensor
-    (``head-major-shared``: the step writes into it, so buffers are never shared)."""
-    if kv_layout == "head-major-shared":
-        shape = (1, dims.kv_heads, capacity, dims.head_dim)
-        return {n: np.zeros(shape, np.float32) for i in range(dims.num_layers)
-                for n in (past_key_name(i), past_value_name(i))}
+def empty_past_feeds(dims: ModelDims) -> dict:
+    """``past_key_values.*`` feeds of an empty sequence-major cache: float32 [1, 0, kv_heads, head_dim] each."""
     empty = np.zeros((1, 0, dims.kv_heads, dims.head_dim), np.float32)
     return {n: empty for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))}
 
@@ -64,15 +58,6 @@ def to_kv_layout(feeds: dict, dims: ModelDims, kv_layout: str, capacity: int | N
             buffer[:, :, :n] = past.transpose(0, 2, 1, 3)
             out[name] = buffer
     return out
-
-
-def present_rows(outputs: dict, name: str, kv_layout: str, past: int, step: int) -> np.ndarray:
-    """This step's keys or values from output ``name`` as sequence-major [b, step, kv_heads,
-    head_dim], whatever the layout (a view for ``sequence-major``, a copy otherwise)."""
-    value = outputs[name]
-    if kv_layout == "sequence-major":
-        return value
-    return value[:, :, past:past + step].transpose(0, 2, 1, 3)
 
 
 def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: int = 0, dtype=np.float32,
@@ -112,6 +97,6 @@ def run_sequence_major(engine, feeds: dict, with_logits: bool = False) -> dict:
     step = feeds["input_ids"].shape[1]
     out = dict(engine.run(to_kv_layout(feeds, engine.dims, layout), with_logits=with_logits))
     for i in range(engine.dims.num_layers):
-        for name in (present_key_name(i), present_value_name(i)):
-            out[name] = np.ascontiguousarray(present_rows(out, name, layout, past, step))
+        for name in (present_key_name(i), present_value_name(i)):  # [b, kv, capacity, hd] -> this step's rows
+            out[name] = np.ascontiguousarray(out[name][:, :, past:past + step].transpose(0, 2, 1, 3))
     return out

@@ -77,7 +77,7 @@ class _GroupQueryAttention(torch.autograd.Function):
     Inputs: ``q`` float [b, step, heads·hd], ``k``/``v`` float [b, step, kv_heads·hd] (before
     RoPE); ``past_k``/``past_v`` float [b, kv_heads, capacity, hd], the first
     ``total − step`` positions filled; ``seqlens_k`` int32 [b] = total − 1; ``total`` int32
-    scalar = past + step; ``cos_cache``/``sin_cache`` float [max_context, hd/2] (already
+    scalar = past + step; ``cos_cache``/``sin_cache`` float [max_context + STEP_ROOM, hd/2] (already
     times the rope attention scale); ``position_ids`` int64 [b, step]; ``bias`` float
     [b, 1, step, total], 0 where the lookahead mask allows a column and the float minimum
     where it does not.
@@ -175,7 +175,7 @@ class DecoderStep(nn.Module):
             # widest step that starts near its end (the runtime refuses profiles wider than STEP_ROOM on it).
             rows = self.dims.max_context + STEP_ROOM
             angles = torch.arange(rows, dtype=torch.float32).unsqueeze(-1) * self.inv_freq.float()
-            self.register_buffer("cos_cache", angles.cos() * self.rope_scale, persistent=False)  # [max_context, hd/2]
+            self.register_buffer("cos_cache", angles.cos() * self.rope_scale, persistent=False)  # [rows, hd/2]
             self.register_buffer("sin_cache", angles.sin() * self.rope_scale, persistent=False)
 
     @property
@@ -217,7 +217,7 @@ class DecoderStep(nn.Module):
         # Shapes read once: the exporter then emits one Shape chain for all layers.
         b, s = input_ids.shape
         if self.attention == "group-query-attention":
-            return self._forward_fused(h, input_ids, position_ids, attention_mask, logits_positions, past, b)
+            return self._forward_fused(h, position_ids, attention_mask, logits_positions, past, b)
         past_len = past[0].shape[1]
         for i, layer in enumerate(self.layers):
             a, k, v = self._attention(
@@ -235,20 +235,21 @@ class DecoderStep(nn.Module):
         logits = self.lm_head(h)  # [b, n_logits, vocab]
         return (logits, torch.argmax(logits, dim=-1), *presents)
 
-    def _forward_fused(self, h, input_ids, position_ids, attention_mask, logits_positions, past, b):
+    def _forward_fused(self, h, position_ids, attention_mask, logits_positions, past, b):
         """``forward`` with each layer's RoPE and attention as one ``GroupQueryAttention``
         over head-major cache buffers [b, kv_heads, capacity, hd] (see :class:`_GroupQueryAttention`)."""
         d = self.dims
         total = torch.onnx.operators.shape_as_tensor(attention_mask)[3].to(torch.int32)  # past + step
         seqlens_k = (total - 1).reshape(1).expand(b)
         bias = torch.where(attention_mask, 0.0, torch.finfo(h.dtype).min).to(h.dtype)  # [b, 1, step, total]
+        cos_cache, sin_cache = self.cos_cache.to(h.dtype), self.sin_cache.to(h.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             out, k, v = _GroupQueryAttention.apply(
                 attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), past[2 * i], past[2 * i + 1], seqlens_k, total,
-                self.cos_cache.to(h.dtype), self.sin_cache.to(h.dtype), position_ids, bias, d.heads, d.kv_heads,
+                cos_cache, sin_cache, position_ids, bias, d.heads, d.kv_heads,
                 self.scale)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
