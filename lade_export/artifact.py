@@ -18,6 +18,7 @@ same ``DIR`` fail at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -158,6 +159,10 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # a pending interrupt is delivered now
 
 
+#: Keys every manifest section must hold for the runtime to open the artifact.
+REQUIRED_KEYS = {"graph": ("file", "opset", "inputs", "outputs"), "model": ("dims", "stop_token_ids")}
+
+
 class Artifact:
     """A built artifact directory, validated on open.
 
@@ -171,8 +176,8 @@ class Artifact:
 
     Raises:
         ArtifactError: directory or ``manifest.json`` missing, unreadable JSON, a
-            ``schema_version`` other than :data:`SCHEMA_VERSION`, a required section
-            missing, a listed file missing or of another size, or a checksum mismatch
+            ``schema_version`` other than :data:`SCHEMA_VERSION`, a required section or
+            key missing (:data:`REQUIRED_KEYS`, the fields of ``ModelDims``), a listed file missing or of another size, or a checksum mismatch
             naming the file.
     """
 
@@ -198,6 +203,15 @@ class Artifact:
         missing = [k for k in ("source", "model", "graph", "tokenizer", "files") if not isinstance(self.manifest.get(k), dict)]
         if missing:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}; rebuild with lade-export build")
+        lacking = [f"{section}.{key}" for section, keys in REQUIRED_KEYS.items() for key in keys
+                   if key not in self.manifest[section]]
+        dims = self.manifest["model"].get("dims")
+        if isinstance(dims, dict):
+            from .specs import ModelDims
+
+            lacking += [f"model.dims.{f.name}" for f in dataclasses.fields(ModelDims) if f.name not in dims]
+        if lacking:
+            raise ArtifactError(f"{path}: manifest lacks {', '.join(lacking)}; rebuild with lade-export build")
         mode = {True: "full", False: "none"}.get(verify, verify)
         if mode not in ("quick", "full", "none"):
             raise ArtifactError(f"verify must be quick, full or none, got {verify!r}")

@@ -62,12 +62,16 @@ class CheckReport:
 
 
 def checksum_errors(artifact: Artifact) -> list[str]:
-    """One message per file that is missing or whose sha256 differs from the manifest."""
+    """One message per file that is missing, of another size than the manifest records
+    (``"NAME: 1,000,000 bytes on disk, the manifest says 115,635,456"``; no hash is computed
+    then) or whose sha256 differs from the manifest."""
     errors = []
     for name, entry in artifact.manifest.get("files", {}).items():
         path = artifact.root / name
         if not path.is_file():
             errors.append(f"{name}: missing")
+        elif path.stat().st_size != entry["bytes"]:
+            errors.append(f"{name}: {path.stat().st_size:,} bytes on disk, the manifest says {entry['bytes']:,}")
         elif sha256_file(path) != entry["sha256"]:
             errors.append(f"{name}: sha256 does not match the manifest")
     return errors

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .errors import GenerationError, LadeError, ProfileError
+from .errors import ArtifactError, GenerationError, LadeError, ProfileError
 from .profile import resolve_profile
 
 
@@ -663,8 +663,8 @@ def inspect(artifact_dir, as_json):
         io.add_row(kind, f"{name}.{{0..{d['num_layers'] - 1}}}.key/.value",
                    escape("[" + ", ".join(map(str, first["shape"])) + "]"), first["dtype"])
     console.print(io)
-    console.print(escape(f"mask: {m['graph']['mask']}"))
-    console.print(escape(f"attention: {m['graph'].get('attention', 'onnx-ops')}; KV cache: {m['graph']['kv_layout']}"))
+    console.print(escape(f"mask: {m['graph'].get('mask', '?')}"))
+    console.print(escape(f"attention: {artifact.attention}; KV cache: {m['graph'].get('kv_layout', artifact.kv_layout)}"))
     par = Table(title="parity (ONNX Runtime vs PyTorch)")
     for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):
         par.add_column(col)
@@ -684,13 +684,16 @@ def inspect(artifact_dir, as_json):
 
     bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))
     for name, e in m["files"].items():
-        state = f"[red]{bad[name]}[/]" if name in bad else "ok"
+        state = f"[red]{escape(bad[name])}[/]" if name in bad else "ok"
         console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…  {state}")
     for e in m.get("engines", []):
         plan = e.get("precision_plan") or {}
         flags = ", version-compatible" if e.get("version_compatible") else ""
         console.print(f"  engine {e['file']} ({e.get('precision')}, {plan.get('network', '?')} network, TensorRT "
                       f"{e.get('tensorrt_version')}{flags})")
+    if bad:
+        raise ArtifactError(f"{len(bad)} of {len(m['files'])} files differ from the manifest "
+                            f"({'; '.join(f'{k}: {v}' for k, v in bad.items())}); rebuild the artifact")
 
 
 @main.command()

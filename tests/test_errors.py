@@ -120,6 +120,21 @@ def _manifest_without_model(tmp, art):
     return a
 
 
+def _manifest_with_empty_graph(tmp, art):
+    a = _copy_artifact(art, tmp)
+    m = json.loads((a / "manifest.json").read_text())
+    m["graph"] = {}
+    (a / "manifest.json").write_text(json.dumps(m))
+    return a
+
+
+def _truncated_graph(tmp, art):
+    a = _copy_artifact(art, tmp)
+    with open(a / "model.onnx", "r+b") as f:
+        f.truncate(1000)
+    return a
+
+
 def _unknown_default_profile(tmp, art):
     a = _copy_artifact(art, tmp)
     m = json.loads((a / "manifest.json").read_text())
@@ -303,6 +318,13 @@ CASES = [
     ("artifact-unknown-default-profile", lambda t, s, a: ["generate", _unknown_default_profile(t, a), "--prompt", "hi",
                                                           "--max-new-tokens", 2], 2,
      "default_profile 'nosuch' is not one of its profiles (default, small); fix the manifest or rebuild"),
+    ("artifact-manifest-lacks-keys", lambda t, s, a: ["generate", _manifest_with_empty_graph(t, a), "--prompt", "hi"],
+     2, "manifest.json: manifest lacks graph.file, graph.opset, graph.inputs, graph.outputs; rebuild with lade-export build"),
+    ("inspect-damaged-file", lambda t, s, a: ["inspect", _truncated_graph(t, a)], 2,
+     "files differ from the manifest (model.onnx: 1,000 bytes on disk, the manifest says "),
+    ("generate-dtype-ort", lambda t, s, a: ["generate", a, "--dtype", "float16", "--prompt", "hi"], 2,
+     "--dtype float16 applies to the torch backend; the ort backend computes in the artifact's precision (fp32, "
+     "chosen at build time with --precision)"),
     ("build-head-bits-fp32", lambda t, s, a: ["build", "--model", s, "--head-bits", "8", "--out", t / "o"], 2,
      "--head-bits 8 quantizes the head of an int8/int4 ONNX Runtime build; give --precision int8 or int4"),
     ("build-precision-tensorrt-int4", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--precision",

@@ -21,7 +21,15 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     Raises:
         BackendUnavailableError: the backend or device is missing.
         ModelSourceError: the torch backend cannot load the recorded checkpoint.
+        GenerationError: ``dtype`` other than float32 for a backend that computes in the
+            artifact's own precision (ONNX Runtime, TensorRT).
     """
+    if backend != "torch" and dtype != "float32":
+        from ..errors import GenerationError
+
+        precision = artifact.manifest["graph"].get("precision", "fp32")
+        raise GenerationError(f"--dtype {dtype} applies to the torch backend; the {backend} backend computes in the "
+                              f"artifact's precision ({precision}, chosen at build time with --precision)")
     if backend == "ort":
         from .onnxruntime import OrtEngine
 
