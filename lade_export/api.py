@@ -39,11 +39,13 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
         device: ``"cpu"`` or ``"cuda"``.
         verify: ``"quick"`` (sizes, and hashes of the small files), ``"full"`` (the
             weights' sha256 too) or ``"none"``; see :class:`lade_export.artifact.Artifact`.
-        dtype: compute dtype of the torch backend.
+        dtype: compute dtype of the torch backend (``"float32"``, ``"float16"``,
+            ``"bfloat16"``); ONNX Runtime and TensorRT compute in the artifact's precision.
 
     Raises:
         ArtifactError: not a build, another schema version, or a damaged file.
         BackendUnavailableError: the backend or device is missing.
+        GenerationError: ``dtype`` other than float32 with the ort or tensorrt backend.
     """
     from .backends import open_engine
 

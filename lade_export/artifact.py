@@ -210,6 +210,8 @@ class Artifact:
             from .specs import ModelDims
 
             lacking += [f"model.dims.{f.name}" for f in dataclasses.fields(ModelDims) if f.name not in dims]
+        elif dims is not None:
+            lacking.append("model.dims (an object)")
         if lacking:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(lacking)}; rebuild with lade-export build")
         mode = {True: "full", False: "none"}.get(verify, verify)

@@ -460,7 +460,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     _report_skipped(skipped, records, decoder.max_context)
     rows = summarize(records)
     meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
-            "backend": f"{backend} ({device}, {dtype if backend == 'torch' else 'float32'})",
+            "backend": f"{backend} ({device}, {dtype})",
             "threads": threads or "default", "decoding": sampling.describe(), "datasets": ", ".join(datasets),
             "limit": limit, "max_new_tokens": max_new_tokens,
             "command": "lade-export compare " + " ".join(sys.argv[2:]), "skipped": [r.line() for r in skipped],

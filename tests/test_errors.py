@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from lade_export.cli import main
+from lade_export.errors import GenerationError
 
 from .test_cli import PROGRESS
 from .test_tensorrt_double import DOCUMENTED_ROWS as TENSORRT_ROWS
@@ -483,3 +484,17 @@ def test_missing_extra_is_one_line(tmp_path, stories_dir):
     assert lines == ["error: lade-export build needs torch, which this install lacks: pip install 'lade-export[export]'"]
     assert "needs torch, which this install lacks: pip install 'lade-export[export]'" in DOC
     assert not (tmp_path / "o").exists()
+
+
+def test_dtype_refusal_names_the_tensorrt_engines_precision(tmp_path, stories_artifact):
+    from lade_export.artifact import Artifact
+    from lade_export.backends import open_engine
+
+    a = _copy_artifact(stories_artifact, tmp_path)
+    m = json.loads((a / "manifest.json").read_text())
+    m["engines"] = [{"file": "engine-0.plan", "precision": "fp16"}, {"file": "engine-1.plan", "precision": "fp16"}]
+    (a / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(GenerationError) as err:
+        open_engine(Artifact(a), "tensorrt", dtype="bfloat16")
+    assert str(err.value) == ("--dtype bfloat16 applies to the torch backend; the tensorrt backend computes in the "
+                              "artifact's precision (fp16, chosen at build time with --precision)")

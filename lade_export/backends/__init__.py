@@ -27,7 +27,10 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     if backend != "torch" and dtype != "float32":
         from ..errors import GenerationError
 
-        precision = artifact.manifest["graph"].get("precision", "fp32")
+        if backend == "tensorrt":  # graph.precision is model.onnx's; the engines carry their own
+            precision = ", ".join(sorted({str(e.get("precision")) for e in artifact.manifest.get("engines", [])})) or "fp32"
+        else:
+            precision = artifact.manifest["graph"].get("precision", "fp32")
         raise GenerationError(f"--dtype {dtype} applies to the torch backend; the {backend} backend computes in the "
                               f"artifact's precision ({precision}, chosen at build time with --precision)")
     if backend == "ort":
