@@ -15,7 +15,7 @@
 #    greedy and prompt lookup (from a float32 HF directory), and llama.cpp greedy and
 #    lookahead on the Q4_1 GGUF that ships the model (built by bench/build_llama_cpp.sh,
 #    found through LADE_LLAMA_CPP or ~/.cache/lade-export/llama.cpp/bin).
-# 4. Compares float32 greedy and the default profile on the chat set (16 prompts).
+# 4. Compares float32 and int4 greedy and their default profiles on the chat set (16 prompts).
 # Results: bench/results/cpu-<workload>/ (summary.md/.csv, results.jsonl, speedup.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,5 +51,5 @@ for ds in mt_bench humaneval gsm8k; do
     --out "bench/results/cpu-$ds" | tee "bench/results/compare-$ds.log"
 done
 lade-export compare build/smollm2 --dataset bench/prompts/chat.jsonl --limit 16 --max-new-tokens 256 \
-  --profile default --title "SmolLM2-135M-Instruct, own chat set, 2-core CPU" \
+  --profile default --also build/smollm2-int4 --title "SmolLM2-135M-Instruct, own chat set, 2-core CPU" \
   --out bench/results/cpu-chat | tee bench/results/compare-chat.log
