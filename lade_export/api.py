@@ -144,7 +144,7 @@ class Model:
 
     def resolve_profile(self, profile, lookahead: bool = True) -> LookaheadProfile | None:
         """The profile of a request: None for plain greedy (``lookahead=False``), the
-        model's default for None, else a shipped name, a TOML path, ``W,N,G[,K]`` or a
+        model's default for None, else a shipped name, a TOML path, ``W,N,G[,K[,B]]`` or a
         :class:`~lade_export.profile.LookaheadProfile`.
 
         Raises:

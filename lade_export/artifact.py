@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ArtifactError
+from .specs import ModelDims
 
 SCHEMA_VERSION = 2
 #: Files up to this size are hashed on every open; larger ones (the weights) only when asked.
@@ -163,6 +164,10 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
 REQUIRED_KEYS = {"graph": ("file", "opset", "inputs", "outputs"), "model": ("dims", "stop_token_ids")}
 
 
+#: ``model.dims`` keys (the fields of :class:`lade_export.specs.ModelDims`).
+_DIMS_FIELDS = tuple(f.name for f in dataclasses.fields(ModelDims))
+
+
 class Artifact:
     """A built artifact directory, validated on open.
 
@@ -205,15 +210,21 @@ class Artifact:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}; rebuild with lade-export build")
         lacking = [f"{section}.{key}" for section, keys in REQUIRED_KEYS.items() for key in keys
                    if key not in self.manifest[section]]
-        dims = self.manifest["model"].get("dims")
+        dims = self.manifest["model"].get("dims", {})
         if isinstance(dims, dict):
-            from .specs import ModelDims
-
-            lacking += [f"model.dims.{f.name}" for f in dataclasses.fields(ModelDims) if f.name not in dims]
-        elif dims is not None:
+            lacking += [f"model.dims.{name}" for name in _DIMS_FIELDS if name not in dims]
+        else:
             lacking.append("model.dims (an object)")
+        if not isinstance(self.manifest.get("profiles", []), list):
+            lacking.append("profiles (a list)")
         if lacking:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(lacking)}; rebuild with lade-export build")
+        wrong = [f"model.dims.{key} = {value!r}" for key, value in dims.items() if key in _DIMS_FIELDS and (
+                 (key == "tied_embeddings" and not isinstance(value, bool))
+                 or (key != "tied_embeddings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1)))]
+        if wrong:
+            raise ArtifactError(f"{path}: manifest has {', '.join(wrong)} (sizes are positive integers, "
+                                "tied_embeddings true or false); rebuild with lade-export build")
         mode = {True: "full", False: "none"}.get(verify, verify)
         if mode not in ("quick", "full", "none"):
             raise ArtifactError(f"verify must be quick, full or none, got {verify!r}")

@@ -87,7 +87,7 @@ def _profiles(values) -> list:
 @click.option("--model", "source", default="smollm2-135m-instruct", show_default=True,
               help="HF directory, .gguf file, hub id, or smollm2-135m-instruct.")
 @click.option("--profile", "profile_values", multiple=True,
-              help="Profile TOML, shipped name (default, small, paper, gpu-large) or W,N,G[,K] (repeatable; "
+              help="Profile TOML, shipped name (default, small, paper, gpu-large) or W,N,G[,K[,B]] (repeatable; "
                    "the first is the artifact's default).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
@@ -303,7 +303,7 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--lookahead/--no-lookahead", default=True, show_default=True,
               help="Lookahead decoding, or one token per step (with either decoding rule).")
 @click.option("--profile", "profile_value", default=None,
-              help="Lookahead profile: shipped name, TOML path or W,N,G[,K] (default: the build's default).")
+              help="Lookahead profile: shipped name, TOML path or W,N,G[,K[,B]] (default: the build's default).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0: greedy decoding; > 0: sampling (lookahead keeps plain sampling's distribution).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k most likely tokens (0: off).")
@@ -352,6 +352,9 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if backend == "tensorrt":
         click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
                    f"{', '.join(model.engine.loaded_engines)}", err=True)
+    if check_greedy and profile is None:
+        click.echo("[check-greedy] nothing to compare: this run decoded one token per step "
+                   "(no lookahead profile)", err=True)
     if check_greedy and profile is not None:
         base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
         same = base.token_ids == result.token_ids

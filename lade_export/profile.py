@@ -101,6 +101,9 @@ class LookaheadProfile:
                 letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K", "lookup_branches": "B",
                           "lookup_min_match": "M"}[key]
                 raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
+        if self.lookup_branches != 1 and self.lookup == 0:
+            raise ProfileError(f"profile {self.name!r}: lookup_branches applies to history lookup, which is off "
+                               f"(lookup = 0); set lookup (K) ≥ 1 or drop lookup_branches")
         if self.lookup_min_match != 1 and self.lookup == 0:
             raise ProfileError(f"profile {self.name!r}: lookup_min_match applies to history lookup, which is off "
                                f"(lookup = 0); set lookup (K) ≥ 1 or drop lookup_min_match")
@@ -159,16 +162,18 @@ class LookaheadProfile:
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "custom") -> "LookaheadProfile":
-        """Inverse of :meth:`as_dict` (``max_step`` is ignored, it is derived).
+        """Inverse of :meth:`as_dict` (``max_step`` is ignored, it is derived). With
+        ``enabled = false`` (plain greedy) window, ngram and guesses may be left out.
 
         Raises:
             ProfileError: a key is missing or a value is invalid.
         """
+        off = data.get("enabled", True) is False  # plain greedy: the shape may be left out
         try:
             return cls(
-                window=data["window"],
-                ngram=data["ngram"],
-                guesses=data["guesses"],
+                window=data.get("window", 1) if off else data["window"],
+                ngram=data.get("ngram", 2) if off else data["ngram"],
+                guesses=data.get("guesses", 0) if off else data["guesses"],
                 lookup=data.get("lookup", 0),
                 lookup_branches=data.get("lookup_branches", 1),
                 lookup_min_match=data.get("lookup_min_match", 1),

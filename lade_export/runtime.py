@@ -250,10 +250,14 @@ class Decoder:
             collection) ends the request and frees its KV cache.
 
         Raises:
-            GenerationError, ProfileError: see :meth:`check_request` (before any work).
+            GenerationError, ProfileError: see :meth:`check_request` (before any work);
+                GenerationError also for a prompt token id outside ``[0, vocab)``.
         """
         prompt = [int(t) for t in prompt_ids]
         self.check_request(len(prompt), max_new_tokens, profile)
+        outside = next((t for t in prompt if not 0 <= t < self.dims.vocab), None)
+        if outside is not None:
+            raise GenerationError(f"token id {outside} is outside the vocabulary (0..{self.dims.vocab - 1})")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
         return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling)

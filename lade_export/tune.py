@@ -35,7 +35,7 @@ def grid_profiles(spec) -> list[LookaheadProfile]:
     """Profiles of a named grid (``default``, ``tiny``) or of ``W,N,G[,K[,B]]`` strings."""
     if isinstance(spec, str):
         if spec not in GRIDS:
-            raise ProfileError(f"unknown grid {spec!r}; use {', '.join(GRIDS)} or --candidate W,N,G[,K]")
+            raise ProfileError(f"unknown grid {spec!r}; use {', '.join(GRIDS)} or --candidate W,N,G[,K[,B]]")
         spec = GRIDS[spec]
     profiles = []
     for item in spec:

@@ -197,6 +197,23 @@ def test_eight_threads_with_different_prompts_and_profiles_equal_their_serial_ru
     assert model.decoder.active_requests == 0
 
 
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(model):
+    for ids in ([99999], [1, -1]):
+        with pytest.raises(GenerationError) as info:
+            model.generate(ids, max_new_tokens=2)
+        assert str(info.value) == f"token id {ids[-1]} is outside the vocabulary (0..511)"
+    assert model.decoder.active_requests == 0
+
+
+def test_unknown_backend_and_dtype_are_refused(stories_artifact):
+    from lade_export.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match=r"^unknown backend 'nope': ort, torch, tensorrt$"):
+        lade_export.load(stories_artifact, backend="nope")
+    with pytest.raises(GenerationError, match=r"^dtype must be float32, float16 or bfloat16, got 'fp16'$"):
+        lade_export.load(stories_artifact, backend="torch", dtype="fp16")
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(max_new_tokens=600), GenerationError,
      "prompt (5 tokens) + max_new_tokens (600) = 605 exceeds the model's context of 512 tokens"),

@@ -64,6 +64,11 @@ def test_build_inspect_generate_on_stories(tmp_path, stories_dir, reference_gree
     assert proc.stdout == expected_text(reference_greedy, 40) + "\n"  # the text alone on stdout
     assert "[lookahead small (W=2, N=3, G=2), greedy] steps " in proc.stderr
     assert "identical to greedy: yes" in proc.stderr
+    proc = run_cli("generate", out, "--prompt", "Once upon a time", "--max-new-tokens", "8", "--greedy",
+                   "--check-greedy")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("[check-greedy] nothing to compare: this run decoded one token per "
+                                                    "step (no lookahead profile)")
 
     proc = run_cli("build", "--model", stories_dir, "--out", out)
     assert proc.returncode == 2

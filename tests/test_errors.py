@@ -129,6 +129,14 @@ def _manifest_with_empty_graph(tmp, art):
     return a
 
 
+def _manifest_dims(tmp, art, **dims):
+    a = _copy_artifact(art, tmp)
+    m = json.loads((a / "manifest.json").read_text())
+    m["model"]["dims"].update(dims)
+    (a / "manifest.json").write_text(json.dumps(m))
+    return a
+
+
 def _truncated_graph(tmp, art):
     a = _copy_artifact(art, tmp)
     with open(a / "model.onnx", "r+b") as f:
@@ -241,6 +249,12 @@ CASES = [
                                                                       "lookup_min_match=2\n")], 2,
      "lookup_min_match applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
      "lookup_min_match"),
+    ("profile-branches-without-lookup", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "1,3,2,0,5"], 2,
+     "lookup_branches applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
+     "lookup_branches"),
+    ("artifact-manifest-bad-dims", lambda t, s, a: ["generate", _manifest_dims(t, a, vocab=-1), "--prompt", "hi"], 2,
+     "manifest has model.dims.vocab = -1 (sizes are positive integers, tied_embeddings true or false); rebuild with "
+     "lade-export build"),
     ("profile-w-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                              _profile(t, "[lookahead]\nwindow=-1\nngram=4\nguesses=2\n")], 2,
      "window (W) must be ≥ 0, got -1"),
@@ -498,3 +512,21 @@ def test_dtype_refusal_names_the_tensorrt_engines_precision(tmp_path, stories_ar
         open_engine(Artifact(a), "tensorrt", dtype="bfloat16")
     assert str(err.value) == ("--dtype bfloat16 applies to the torch backend; the tensorrt backend computes in the "
                               "artifact's precision (fp16, chosen at build time with --precision)")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["model"].update(dims=None), "manifest lacks model.dims (an object)"),
+    (lambda m: m["model"]["dims"].update(vocab="512"), "manifest has model.dims.vocab = '512'"),
+    (lambda m: m["model"]["dims"].update(tied_embeddings=1), "manifest has model.dims.tied_embeddings = 1"),
+    (lambda m: m.update(profiles=None), "manifest lacks profiles (a list)"),
+])
+def test_hand_edited_manifests_are_refused_in_one_line(tmp_path, stories_artifact, edit, message):
+    a = _copy_artifact(stories_artifact, tmp_path)
+    m = json.loads((a / "manifest.json").read_text())
+    edit(m)
+    (a / "manifest.json").write_text(json.dumps(m))
+    for command in (["generate", a, "--prompt", "hi"], ["inspect", a], ["check", a]):
+        result = invoke(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+        assert message in result.stderr

@@ -59,3 +59,13 @@ def test_unknown_keys_are_named(tmp_path):
 def test_missing_file():
     with pytest.raises(ProfileError, match="profile file not found: /nonexistent/p.toml"):
         load_profile("/nonexistent/p.toml")
+
+
+def test_a_disabled_profile_needs_no_shape(tmp_path):
+    f = tmp_path / "off.toml"
+    f.write_text("[lookahead]\nenabled = false\n")
+    profile = load_profile(f)
+    assert not profile.enabled and profile.max_step == 1
+    with pytest.raises(ProfileError, match="missing key 'window'"):
+        f.write_text("[lookahead]\nngram = 3\nguesses = 2\n")
+        load_profile(f)

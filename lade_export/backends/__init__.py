@@ -6,6 +6,8 @@ Every engine has the same small interface (see :class:`lade_export.runtime.Engin
 arrays named as in :mod:`lade_export.specs`, and ``close()``.
 """
 
+from ..errors import BackendUnavailableError, GenerationError
+
 BACKENDS = ("ort", "torch", "tensorrt")
 
 
@@ -19,14 +21,16 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     optimization profile covers it, with the full TensorRT or the lean runtime.
 
     Raises:
-        BackendUnavailableError: the backend or device is missing.
+        BackendUnavailableError: the backend or device is missing, or an unknown backend name.
         ModelSourceError: the torch backend cannot load the recorded checkpoint.
-        GenerationError: ``dtype`` other than float32 for a backend that computes in the
-            artifact's own precision (ONNX Runtime, TensorRT).
+        GenerationError: an unknown ``dtype``, or one other than float32 for a backend that
+            computes in the artifact's own precision (ONNX Runtime, TensorRT).
     """
+    if backend not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {backend!r}: {', '.join(BACKENDS)}")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise GenerationError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     if backend != "torch" and dtype != "float32":
-        from ..errors import GenerationError
-
         if backend == "tensorrt":  # graph.precision is model.onnx's; the engines carry their own
             precision = ", ".join(sorted({str(e.get("precision")) for e in artifact.manifest.get("engines", [])})) or "fp32"
         else:

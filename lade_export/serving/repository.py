@@ -108,7 +108,7 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         repository: the model repository (created if missing; other models are kept).
         name: the model name (default: from the artifact's source, :func:`default_model_name`).
         instances: model instances (one Triton stub process each; per GPU with ``cuda``).
-        profiles: profiles clients may name (shipped names, TOML paths, ``W,N,G[,K]``); the
+        profiles: profiles clients may name (shipped names, TOML paths, ``W,N,G[,K[,B]]``); the
             first is the default. Empty: the artifact's built profiles and its default.
             ``greedy`` is always served.
         backend: ``ort`` or ``tensorrt`` (the artifact's first engine).
