@@ -260,7 +260,7 @@ def bundled_profile_names() -> list[str]:
 
 def resolve_profile(value: str | Path) -> LookaheadProfile:
     """Accept a TOML path, the name of a shipped profile (``default``, ``small``,
-    ``paper``, ``gpu-large``), or an inline ``W,N,G`` or ``W,N,G,K``.
+    ``paper``, ``gpu-large``), or an inline ``W,N,G``, ``W,N,G,K`` or ``W,N,G,K,B``.
 
     Raises:
         ProfileError: nothing matches, or the profile is invalid.
@@ -268,9 +268,12 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
     if isinstance(value, LookaheadProfile):
         return value
     text = str(value)
+    if not text.strip():
+        raise ProfileError("empty profile: give a TOML path, a shipped name "
+                           f"({', '.join(bundled_profile_names())}) or W,N,G[,K[,B]]")
     path = Path(text)
-    if path.is_file():
-        return load_profile(path)
+    if path.is_file() or path.is_dir():
+        return load_profile(path)  # a directory: refused there, by name
     bundled = bundled_profiles_dir() / f"{text}.toml"
     if _NAME.match(text) and bundled.is_file():
         return load_profile(bundled)

@@ -69,3 +69,11 @@ def test_a_disabled_profile_needs_no_shape(tmp_path):
     with pytest.raises(ProfileError, match="missing key 'window'"):
         f.write_text("[lookahead]\nngram = 3\nguesses = 2\n")
         load_profile(f)
+
+
+def test_empty_and_directory_profiles_are_named(tmp_path):
+    with pytest.raises(ProfileError, match=r"^empty profile: give a TOML path, a shipped name \(.*default.*\) or "
+                                           r"W,N,G\[,K\[,B\]\]$"):
+        resolve_profile("  ")
+    with pytest.raises(ProfileError, match=r"^profile path is a directory, not a TOML file: "):
+        resolve_profile(str(tmp_path))
