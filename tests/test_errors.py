@@ -436,7 +436,7 @@ def test_every_documented_row_has_a_test():
     ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent", "build-rope-capped",
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
-                                   "generate-profile-wider-than-step-room"} | \
+                                   "generate-profile-wider-than-step-room", "api-token-id-outside-vocab"} | \
         set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids

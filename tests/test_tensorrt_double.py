@@ -347,13 +347,18 @@ def test_an_execution_failure_is_an_engine_error(art10, monkeypatch):
 
 def test_a_token_id_outside_the_vocabulary_fails_inside_the_engine_as_an_engine_error(art10, monkeypatch):
     import lade_export
+    from lade_export.errors import GenerationError
+    from lade_export.feeds import causal_feeds, empty_past_feeds
 
     out, _ = art10
     install(monkeypatch, version=V10)
     with lade_export.load(out, "tensorrt") as model:
+        with pytest.raises(GenerationError, match=r"^token id 100000 is outside the vocabulary \(0\.\.511\)$"):
+            model.generate([1, 100000, 5], max_new_tokens=2)  # the runtime refuses it before any step
+        feeds = {**causal_feeds([1, 100000], 0), **empty_past_feeds(model.engine.dims)}
         with pytest.raises(EngineError, match=r"^TensorRT failed to run engines/small.plan \(optimization profile 0, "
                                               r"prefill\) on a step of 2 tokens"):
-            model.generate([1, 100000, 5], max_new_tokens=2)
+            model.engine.run(feeds)  # a caller below the runtime gets the engine's failure, in one line
 
 
 def test_the_lean_runtime_runs_version_compatible_engines(art10, reference_greedy, monkeypatch):
