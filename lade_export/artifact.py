@@ -168,6 +168,14 @@ REQUIRED_KEYS = {"graph": ("file", "opset", "inputs", "outputs"), "model": ("dim
 _DIMS_FIELDS = tuple(f.name for f in dataclasses.fields(ModelDims))
 
 
+def _valid_dim(name: str, value) -> bool:
+    """A ``model.dims`` value as the runtime needs it: ``tied_embeddings`` a bool, every
+    other field a positive int (not a bool)."""
+    if name == "tied_embeddings":
+        return isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 class Artifact:
     """A built artifact directory, validated on open.
 
@@ -210,18 +218,16 @@ class Artifact:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}; rebuild with lade-export build")
         lacking = [f"{section}.{key}" for section, keys in REQUIRED_KEYS.items() for key in keys
                    if key not in self.manifest[section]]
-        dims = self.manifest["model"].get("dims", {})
+        dims = self.manifest["model"].get("dims")
         if isinstance(dims, dict):
             lacking += [f"model.dims.{name}" for name in _DIMS_FIELDS if name not in dims]
-        else:
+        elif "dims" in self.manifest["model"]:
             lacking.append("model.dims (an object)")
         if not isinstance(self.manifest.get("profiles", []), list):
             lacking.append("profiles (a list)")
         if lacking:
             raise ArtifactError(f"{path}: manifest lacks {', '.join(lacking)}; rebuild with lade-export build")
-        wrong = [f"model.dims.{key} = {value!r}" for key, value in dims.items() if key in _DIMS_FIELDS and (
-                 (key == "tied_embeddings" and not isinstance(value, bool))
-                 or (key != "tied_embeddings" and (isinstance(value, bool) or not isinstance(value, int) or value < 1)))]
+        wrong = [f"model.dims.{name} = {dims[name]!r}" for name in _DIMS_FIELDS if not _valid_dim(name, dims[name])]
         if wrong:
             raise ArtifactError(f"{path}: manifest has {', '.join(wrong)} (sizes are positive integers, "
                                 "tied_embeddings true or false); rebuild with lade-export build")

@@ -68,10 +68,11 @@ def checksum_errors(artifact: Artifact) -> list[str]:
     errors = []
     for name, entry in artifact.manifest.get("files", {}).items():
         path = artifact.root / name
-        if not path.is_file():
+        size = path.stat().st_size if path.is_file() else None
+        if size is None:
             errors.append(f"{name}: missing")
-        elif path.stat().st_size != entry["bytes"]:
-            errors.append(f"{name}: {path.stat().st_size:,} bytes on disk, the manifest says {entry['bytes']:,}")
+        elif size != entry["bytes"]:
+            errors.append(f"{name}: {size:,} bytes on disk, the manifest says {entry['bytes']:,}")
         elif sha256_file(path) != entry["sha256"]:
             errors.append(f"{name}: sha256 does not match the manifest")
     return errors

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .errors import ArtifactError, GenerationError, LadeError, ProfileError
+from .backends import BACKENDS, DTYPES
 from .profile import resolve_profile
 
 
@@ -310,9 +311,9 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1.0: off).")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same output).")
 @click.option("--stop", "stops", multiple=True, help="Stop string: the answer ends before it (repeatable).")
-@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32",
               help="Compute dtype of the torch backend.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
 @click.option("--verify", is_flag=True, help="Also check the weights' sha256 before loading (~1 s per GB).")
@@ -355,7 +356,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if check_greedy and profile is None:
         click.echo("[check-greedy] nothing to compare: this run decoded one token per step "
                    "(no lookahead profile)", err=True)
-    if check_greedy and profile is not None:
+    elif check_greedy:
         base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
         same = base.token_ids == result.token_ids
         speedup = base.stats.decode_s / result.stats.decode_s if result.stats.decode_s else 0.0
@@ -390,9 +391,9 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 @click.option("--llama-gguf", "llama_gguf", default=None, type=click.Path(path_type=Path),
               help="GGUF the llama.cpp peers run (default: the Q4_1 file shipped for SmolLM2).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for results and summaries.")
-@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--also", "also", multiple=True, type=click.Path(path_type=Path),
               help="Another artifact of the same model (e.g. its int4 build) to run in the same loop: its greedy and its "
@@ -520,7 +521,7 @@ def _report_skipped(skipped, kept, context: int) -> None:
 @click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")
 @click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K[,B]]", help="Grid entries instead of --grid.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("profiles/tuned.toml"), show_default=True)
-@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @click.option("--validate-dataset", default=None,
               help="Also verify the winner on another workload (default: humaneval, or mt_bench when tuning on "
                    "humaneval; 'none' to skip).")

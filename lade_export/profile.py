@@ -101,12 +101,10 @@ class LookaheadProfile:
                 letter = {"window": "W", "ngram": "N", "guesses": "G", "lookup": "K", "lookup_branches": "B",
                           "lookup_min_match": "M"}[key]
                 raise ProfileError(f"profile {self.name!r}: {key} ({letter}) must be ≥ {low}, got {value}")
-        if self.lookup_branches != 1 and self.lookup == 0:
-            raise ProfileError(f"profile {self.name!r}: lookup_branches applies to history lookup, which is off "
-                               f"(lookup = 0); set lookup (K) ≥ 1 or drop lookup_branches")
-        if self.lookup_min_match != 1 and self.lookup == 0:
-            raise ProfileError(f"profile {self.name!r}: lookup_min_match applies to history lookup, which is off "
-                               f"(lookup = 0); set lookup (K) ≥ 1 or drop lookup_min_match")
+        for key in ("lookup_branches", "lookup_min_match"):
+            if getattr(self, key) != 1 and self.lookup == 0:
+                raise ProfileError(f"profile {self.name!r}: {key} applies to history lookup, which is off "
+                                   f"(lookup = 0); set lookup (K) ≥ 1 or drop {key}")
         if self.lookup_min_match > 3:
             raise ProfileError(f"profile {self.name!r}: lookup_min_match (M) must be 1, 2 or 3 (the longest suffix "
                                f"match the history index keeps), got {self.lookup_min_match}")

@@ -63,10 +63,11 @@ def _not_gguf(tmp):
     return f
 
 
-def _bad_schema(tmp, art):
+def _edited_manifest(tmp, art, edit):
+    """A copy of ``art`` whose manifest went through ``edit(manifest_dict)`` (a hand edit)."""
     a = _copy_artifact(art, tmp)
     m = json.loads((a / "manifest.json").read_text())
-    m["schema_version"] = 99
+    edit(m)
     (a / "manifest.json").write_text(json.dumps(m))
     return a
 
@@ -113,42 +114,10 @@ def _jsonl(tmp, text):
     return f
 
 
-def _manifest_without_model(tmp, art):
-    a = _copy_artifact(art, tmp)
-    m = json.loads((a / "manifest.json").read_text())
-    del m["model"]
-    (a / "manifest.json").write_text(json.dumps(m))
-    return a
-
-
-def _manifest_with_empty_graph(tmp, art):
-    a = _copy_artifact(art, tmp)
-    m = json.loads((a / "manifest.json").read_text())
-    m["graph"] = {}
-    (a / "manifest.json").write_text(json.dumps(m))
-    return a
-
-
-def _manifest_dims(tmp, art, **dims):
-    a = _copy_artifact(art, tmp)
-    m = json.loads((a / "manifest.json").read_text())
-    m["model"]["dims"].update(dims)
-    (a / "manifest.json").write_text(json.dumps(m))
-    return a
-
-
 def _truncated_graph(tmp, art):
     a = _copy_artifact(art, tmp)
     with open(a / "model.onnx", "r+b") as f:
         f.truncate(1000)
-    return a
-
-
-def _unknown_default_profile(tmp, art):
-    a = _copy_artifact(art, tmp)
-    m = json.loads((a / "manifest.json").read_text())
-    m["default_profile"] = "nosuch"
-    (a / "manifest.json").write_text(json.dumps(m))
     return a
 
 
@@ -252,7 +221,8 @@ CASES = [
     ("profile-branches-without-lookup", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "1,3,2,0,5"], 2,
      "lookup_branches applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
      "lookup_branches"),
-    ("artifact-manifest-bad-dims", lambda t, s, a: ["generate", _manifest_dims(t, a, vocab=-1), "--prompt", "hi"], 2,
+    ("artifact-manifest-bad-dims", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m["model"]["dims"].update(vocab=-1)), "--prompt", "hi"], 2,
      "manifest has model.dims.vocab = -1 (sizes are positive integers, tied_embeddings true or false); rebuild with "
      "lade-export build"),
     ("profile-w-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
@@ -330,10 +300,12 @@ CASES = [
      "takes --attention onnx-ops"),
     ("build-block-size-fp32", lambda t, s, a: ["build", "--model", s, "--block-size", 64, "--out", t / "o"], 2,
      "--block-size applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); this build is fp32"),
-    ("artifact-unknown-default-profile", lambda t, s, a: ["generate", _unknown_default_profile(t, a), "--prompt", "hi",
-                                                          "--max-new-tokens", 2], 2,
+    ("artifact-unknown-default-profile", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m.update(default_profile="nosuch")), "--prompt", "hi",
+        "--max-new-tokens", 2], 2,
      "default_profile 'nosuch' is not one of its profiles (default, small); fix the manifest or rebuild"),
-    ("artifact-manifest-lacks-keys", lambda t, s, a: ["generate", _manifest_with_empty_graph(t, a), "--prompt", "hi"],
+    ("artifact-manifest-lacks-keys", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m.update(graph={})), "--prompt", "hi"],
      2, "manifest.json: manifest lacks graph.file, graph.opset, graph.inputs, graph.outputs; rebuild with lade-export build"),
     ("inspect-damaged-file", lambda t, s, a: ["inspect", _truncated_graph(t, a)], 2,
      "files differ from the manifest (model.onnx: 1,000 bytes on disk, the manifest says "),
@@ -356,7 +328,8 @@ CASES = [
      "artifact directory not found:"),
     ("artifact-no-manifest", lambda t, s, a: ["generate", _no_manifest(t, a), "--prompt", "hi"], 2,
      "has no manifest.json: not a lade-export build"),
-    ("artifact-schema-version", lambda t, s, a: ["generate", _bad_schema(t, a), "--prompt", "hi"], 2,
+    ("artifact-schema-version", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m.update(schema_version=99)), "--prompt", "hi"], 2,
      "schema_version 99 is not supported by this lade-export (expects 2)"),
     ("artifact-onnx-checksum", lambda t, s, a: ["generate", _flip_byte(t, a, "model.onnx"), "--prompt", "hi"], 2,
      "checksum mismatch for model.onnx"),
@@ -365,7 +338,8 @@ CASES = [
      "checksum mismatch for tokenizer/tokenizer.json"),
     ("artifact-weights-size", lambda t, s, a: ["generate", _grow(t, a, "model.onnx"), "--prompt", "hi"], 2,
      "size mismatch for model.onnx: "),
-    ("artifact-manifest-incomplete", lambda t, s, a: ["generate", _manifest_without_model(t, a), "--prompt", "hi"], 2,
+    ("artifact-manifest-incomplete", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m.pop("model")), "--prompt", "hi"], 2,
      "manifest lacks model; rebuild with lade-export build"),
     ("build-force-not-a-build", lambda t, s, a: ["build", "--model", s, "--out", _not_a_build(t), "--force"], 2,
      "it is not a lade-export build (no manifest.json)"),
@@ -504,10 +478,8 @@ def test_dtype_refusal_names_the_tensorrt_engines_precision(tmp_path, stories_ar
     from lade_export.artifact import Artifact
     from lade_export.backends import open_engine
 
-    a = _copy_artifact(stories_artifact, tmp_path)
-    m = json.loads((a / "manifest.json").read_text())
-    m["engines"] = [{"file": "engine-0.plan", "precision": "fp16"}, {"file": "engine-1.plan", "precision": "fp16"}]
-    (a / "manifest.json").write_text(json.dumps(m))
+    engines = [{"file": "engine-0.plan", "precision": "fp16"}, {"file": "engine-1.plan", "precision": "fp16"}]
+    a = _edited_manifest(tmp_path, stories_artifact, lambda m: m.update(engines=engines))
     with pytest.raises(GenerationError) as err:
         open_engine(Artifact(a), "tensorrt", dtype="bfloat16")
     assert str(err.value) == ("--dtype bfloat16 applies to the torch backend; the tensorrt backend computes in the "
@@ -521,10 +493,7 @@ def test_dtype_refusal_names_the_tensorrt_engines_precision(tmp_path, stories_ar
     (lambda m: m.update(profiles=None), "manifest lacks profiles (a list)"),
 ])
 def test_hand_edited_manifests_are_refused_in_one_line(tmp_path, stories_artifact, edit, message):
-    a = _copy_artifact(stories_artifact, tmp_path)
-    m = json.loads((a / "manifest.json").read_text())
-    edit(m)
-    (a / "manifest.json").write_text(json.dumps(m))
+    a = _edited_manifest(tmp_path, stories_artifact, edit)
     for command in (["generate", a, "--prompt", "hi"], ["inspect", a], ["check", a]):
         result = invoke(*command)
         assert result.exit_code == 2, (command, result.output)

@@ -9,6 +9,8 @@ arrays named as in :mod:`lade_export.specs`, and ``close()``.
 from ..errors import BackendUnavailableError, GenerationError
 
 BACKENDS = ("ort", "torch", "tensorrt")
+#: Compute dtypes of the torch backend (ONNX Runtime and TensorRT compute in the artifact's precision).
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float32"):
@@ -28,8 +30,8 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     """
     if backend not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {backend!r}: {', '.join(BACKENDS)}")
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise GenerationError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise GenerationError(f"dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {dtype!r}")
     if backend != "torch" and dtype != "float32":
         if backend == "tensorrt":  # graph.precision is model.onnx's; the engines carry their own
             precision = ", ".join(sorted({str(e.get("precision")) for e in artifact.manifest.get("engines", [])})) or "fp32"
