@@ -39,6 +39,8 @@ def weight_kernels_model(model):
             k = inits[node.input[1]].dims[0]
         elif node.op_type == "MatMulNBits":
             k = next(a.i for a in node.attribute if a.name == "K")
+        elif node.op_type == "MatMulBlockQ":  # the lade kernels: K = blocks × 32
+            k = inits[node.input[1]].dims[1] * 32
         else:
             continue
         copy = onnx.NodeProto()
@@ -85,9 +87,11 @@ def main() -> None:
     from lade_export.backends.onnxruntime import OrtEngine
     from lade_export.feeds import example_feeds
 
-    def session(source):
+    def session(source, custom_ops=None):
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        if custom_ops is not None:
+            options.register_custom_ops_library(str(custom_ops))
         if args.threads:
             options.intra_op_num_threads = args.threads
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
@@ -99,12 +103,12 @@ def main() -> None:
         graph_path = artifact.onnx_path
         precision = artifact.manifest["graph"].get("precision", "fp32")
         # The step through the runtime's engine: a head-major-shared cache is bound in place, as when decoding.
-        step = OrtEngine(graph_path, artifact.dims, threads=args.threads)
+        step = OrtEngine(graph_path, artifact.dims, threads=args.threads, custom_ops=artifact.custom_ops_path)
         feeds = example_feeds(artifact.dims, step=1, past=args.past, kv_layout=step.kv_layout)
         step_ms = median_ms(step, feeds, args.repeats)
         step.close()
         kernels, count = weight_kernels_model(onnx.load(str(graph_path)))
-        kernel_session = session(kernels.SerializeToString())
+        kernel_session = session(kernels.SerializeToString(), artifact.custom_ops_path)
         kernel_feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in kernel_session.get_inputs()}
         kernel_ms = median_ms(kernel_session, kernel_feeds, args.repeats)
         rows.append((f"{path.name} ({precision})", step_ms, count, kernel_ms))

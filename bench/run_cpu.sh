@@ -3,14 +3,17 @@
 #
 #   bash bench/run_cpu.sh [--tune]
 #
-# 1. Builds (once) the float32, int4, int4-greedy (int8 activations, greedy only) and int8
-#    artifacts under build/ (delete one to rebuild it with the current exporter).
+# 1. Builds (once) the float32, int4, int4-lade (this project's kernels: float32 compute on
+#    Q4_1/Q8_0 blocks, needs scripts/fetch_ort_headers.sh), int4-greedy (int8 activations,
+#    greedy only) and int8 artifacts under build/ (delete one to rebuild it with the current
+#    exporter).
 # 2. With --tune: tunes a profile for float32 and for int4 on MT-Bench prompts 16..23,
 #    validated on our own chat set (bench/prompts/chat.jsonl) — the shipped default
 #    profiles come from such runs; the tuned files land in bench/results/tuned-*.toml.
 # 3. Compares, per workload (MT-Bench, HumanEval, GSM8K: their first 16 prompts, which no
 #    profile was tuned on; 256 new tokens max), in one interleaved run per workload:
-#    float32 greedy and its default profile, int4 greedy and its default profile, int8
+#    float32 greedy and its default profile, int4 greedy and its default profile (ONNX
+#    Runtime's kernels and the lade kernels), int8
 #    greedy (int8 graphs refuse lookahead: see lade_export/quantize.py), transformers
 #    greedy and prompt lookup (from a float32 HF directory), and llama.cpp greedy and
 #    lookahead on the Q4_1 GGUF that ships the model (built by bench/build_llama_cpp.sh,
@@ -25,6 +28,8 @@ LLAMA=${LADE_LLAMA_CPP:-$HOME/.cache/lade-export/llama.cpp/bin}
 mkdir -p build bench/results
 [ -d build/smollm2 ] || lade-export build --out build/smollm2
 [ -d build/smollm2-int4 ] || lade-export build --out build/smollm2-int4 --precision int4
+bash scripts/fetch_ort_headers.sh
+[ -d build/smollm2-int4-lade ] || lade-export build --out build/smollm2-int4-lade --precision int4 --kernels lade
 [ -d build/smollm2-int8 ] || lade-export build --out build/smollm2-int8 --precision int8
 # int4 layers and an 8-bit head with int8 activations (llama.cpp's Q4_1 x Q8_1 arithmetic): greedy only.
 [ -d build/smollm2-int4-greedy ] || lade-export build --out build/smollm2-int4-greedy --precision int4 \
@@ -46,10 +51,12 @@ else
 fi
 for ds in mt_bench humaneval gsm8k; do
   lade-export compare build/smollm2 --dataset "$ds" --limit 16 --max-new-tokens 256 --profile default \
-    --also build/smollm2-int4 --also build/smollm2-int4-greedy --also build/smollm2-int8 "${PEERS[@]}" \
+    --also build/smollm2-int4 --also build/smollm2-int4-lade --also build/smollm2-int4-greedy \
+    --also build/smollm2-int8 "${PEERS[@]}" \
     --title "SmolLM2-135M-Instruct, $ds, 2-core CPU" \
     --out "bench/results/cpu-$ds" | tee "bench/results/compare-$ds.log"
 done
 lade-export compare build/smollm2 --dataset bench/prompts/chat.jsonl --limit 16 --max-new-tokens 256 \
-  --profile default --also build/smollm2-int4 --title "SmolLM2-135M-Instruct, own chat set, 2-core CPU" \
+  --profile default --also build/smollm2-int4 --also build/smollm2-int4-lade \
+  --title "SmolLM2-135M-Instruct, own chat set, 2-core CPU" \
   --out bench/results/cpu-chat | tee bench/results/compare-chat.log

@@ -264,6 +264,13 @@ class Artifact:
         return self.root / self.manifest["graph"]["file"]
 
     @property
+    def custom_ops_path(self) -> Path | None:
+        """The custom-op library the graph computes with (``graph.custom_ops``, built with
+        ``--kernels lade``; :mod:`lade_export.kernels`), or None."""
+        name = self.manifest["graph"].get("custom_ops")
+        return self.root / name if name else None
+
+    @property
     def dims(self):
         """:class:`lade_export.specs.ModelDims` of the model."""
         from .specs import ModelDims

@@ -14,6 +14,7 @@ from .artifact import SCHEMA_VERSION, atomic_directory, file_entries, write_json
 from .backends.onnxruntime import OrtEngine
 from .errors import CheckFailedError
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
+from .kernels import LIBRARY
 from .model_source import load_model
 from .specs import step_io_specs
 
@@ -250,12 +251,18 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     fp32 = root / "model.onnx"
     staged = root / "quantized" / "model.onnx"
     staged.parent.mkdir()
+    library = None
+    if spec.kernels == "lade":
+        from .kernels import LIBRARY, compile_library
+
+        say("compiling the lade kernels")
+        library = compile_library(root / LIBRARY)
     say(f"quantizing the layers' weights to {spec.bits} bits (head and embedding: "
-        f"{f'{spec.head_bits} bits' if spec.head_bits else 'float32'})")
+        f"{f'{spec.head_bits} bits' if spec.head_bits else 'float32'}; {spec.kernels} kernels)")
     info = quantize_step_graph(fp32, staged, spec)
     say("measuring the quantized graph against the float32 one")
     reference = OrtEngine(fp32, dims, threads=threads)
-    quantized = OrtEngine(staged, dims, threads=threads)
+    quantized = OrtEngine(staged, dims, threads=threads, custom_ops=library)
     sequences = []
     for ids in prompts:
         answer = Decoder(reference, [], dims.max_context).generate(ids, min(64, dims.max_context - len(ids)), None)
@@ -278,8 +285,11 @@ DEFAULT_PROFILES = {"fp32": "default", "fp16": "default", "bf16": "default", "in
                     "int4": "default-int4"}
 
 
-def default_profile_for(precision: str) -> str:
-    """Name of the shipped profile a build records as its default for ``precision``."""
+def default_profile_for(precision: str, kernels: str = "onnxruntime") -> str:
+    """Name of the shipped profile a build records as its default for ``precision``: with
+    the lade kernels (float32 compute, exact lookahead at 8 bits too) int8 gets int4's."""
+    if kernels == "lade" and precision in ("int8", "int4"):
+        return DEFAULT_PROFILES["int4"]
     return DEFAULT_PROFILES.get(precision, "default")
 
 
@@ -458,6 +468,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 "opset": 17,
                 "precision": f"int{quantization.bits}" if quantization is not None else "fp32",
                 "lookahead_exact": quantization.lookahead_exact if quantization is not None else True,
+                **({"custom_ops": LIBRARY} if quantization is not None and quantization.kernels == "lade" else {}),
                 "mask": "bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
                 "attention": attention,
                 "kv_cache": step.kv_layout,

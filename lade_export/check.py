@@ -193,16 +193,16 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
             feeds.append(OrderedDict(f))
     output_names = [o["name"] for o in artifact.manifest["graph"]["outputs"]]
     input_specs = artifact.manifest["graph"]["inputs"]
-    if artifact.kv_layout == "sequence-major":
+    if artifact.kv_layout == "sequence-major" and artifact.custom_ops_path is None:
         ort_runner = OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)), name="onnxruntime")
-    else:  # the graph's cache is one shared buffer per tensor: feed it through the layout converter
+    else:  # a shared cache buffer per tensor (fed through the layout converter), or custom ops
         from .backends.onnxruntime import OrtEngine
         from .feeds import run_sequence_major
         from .specs import step_io_specs
 
         d = artifact.dims
         input_specs = [t.as_dict() for t in step_io_specs(d.num_layers, d.kv_heads, d.head_dim, d.vocab)[0]]
-        ort_engine = OrtEngine(artifact.onnx_path, d)
+        ort_engine = OrtEngine(artifact.onnx_path, d, custom_ops=artifact.custom_ops_path)
         ort_runner = _runner("onnxruntime", lambda f: run_sequence_major(ort_engine, f, with_logits=True),
                              input_specs, output_names)
     runners = [_torch_runner(step, input_specs, output_names), ort_runner]

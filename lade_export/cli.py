@@ -104,9 +104,13 @@ def _profiles(values) -> list:
               help="int8/int4: MatMulNBits compute type (default: 1, float32, for int4; 4, int8 activations, for "
                    "int8). Only 0 and 1 keep lookahead exact; other levels make an artifact that decodes without "
                    "lookahead.")
-@click.option("--head-bits", type=click.Choice(["0", "4", "8"]), default="0", show_default=True,
-              help="int8/int4: bits of the LM head and the tied embedding (0: float32). 8 is fast only with "
-                   "--accuracy-level 4.")
+@click.option("--head-bits", type=click.Choice(["0", "4", "8"]), default=None,
+              help="int8/int4: bits of the LM head and the tied embedding (0: float32; default 0, or 8 with "
+                   "--kernels lade). With ONNX Runtime's kernels 8 is fast only with --accuracy-level 4.")
+@click.option("--kernels", type=click.Choice(["onnxruntime", "lade"]), default="onnxruntime", show_default=True,
+              help="int8/int4: onnxruntime: ONNX Runtime's MatMulNBits; lade: this project's float32-compute "
+                   "block-quantized kernels (exact lookahead, GGML Q4_1/Q8_0 blocks), a library compiled at build "
+                   "time into the artifact (needs g++ and ONNX Runtime's headers: scripts/fetch_ort_headers.sh).")
 @click.option("--attention", type=click.Choice(["auto", "onnx-ops", "group-query-attention"]), default="auto",
               show_default=True,
               help="ONNX Runtime builds: group-query-attention fuses each layer's RoPE and attention into ONNX "
@@ -124,7 +128,7 @@ def _profiles(values) -> list:
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
 @click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")
 def build(source, profile_values, out, force, threads, engine, precision, block_size, accuracy_level, head_bits,
-          attention, timing_cache, max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
+          kernels, attention, timing_cache, max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
     (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
     per profile)."""
@@ -139,18 +143,26 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     if engine == "tensorrt" and precision in ("int8", "int4"):
         raise ProfileError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
                            "--engine tensorrt takes fp16, bf16 or fp32")
+    if engine == "tensorrt" and kernels == "lade":
+        raise ProfileError("--kernels lade makes ONNX Runtime custom operators, which TensorRT cannot parse; "
+                           "--engine tensorrt takes fp16, bf16 or fp32")
     refuse_fused_attention_on_tensorrt(attention, engine == "tensorrt")
     quantized = engine == "onnx" and bool(ORT_PRECISIONS.get(precision))
-    for option, value in (("--block-size", block_size), ("--accuracy-level", accuracy_level)):
+    for option, value in (("--block-size", block_size), ("--accuracy-level", accuracy_level),
+                          ("--kernels", None if kernels == "onnxruntime" else kernels)):
         if value is not None and not quantized:
             raise ProfileError(f"{option} applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); "
                                f"this build is {precision}")
-    block_size = 32 if block_size is None else block_size
-    if int(head_bits) and not quantized:
+    if head_bits is not None and int(head_bits) and not quantized:
         raise ProfileError(f"--head-bits {head_bits} quantizes the head of an int8/int4 ONNX Runtime build; "
                            f"give --precision int8 or int4")
-    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level, int(head_bits)) if quantized else None
-    profiles = _profiles(profile_values or (default_profile_for(precision),))
+    quantization = QuantSpec.for_precision(precision, block_size, accuracy_level,
+                                           None if head_bits is None else int(head_bits), kernels) if quantized else None
+    if kernels == "lade" and not dry_run:
+        from .kernels import require_toolchain
+
+        require_toolchain()  # before any work: no compiler or headers, nothing is written
+    profiles = _profiles(profile_values or (default_profile_for(precision, kernels),))
     if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
         raise ProfileError(f"--precision {precision} with accuracy level {quantization.accuracy_level} computes one-token "
                            "and multi-token steps differently (int8 activations), so lookahead would not be exact; "
@@ -669,6 +681,17 @@ def inspect(artifact_dir, as_json):
     console.print(io)
     console.print(escape(f"mask: {m['graph'].get('mask', '?')}"))
     console.print(escape(f"attention: {artifact.attention}; KV cache: {m['graph'].get('kv_layout', artifact.kv_layout)}"))
+    q = m.get("quantization")
+    if isinstance(q, dict) and isinstance(q.get("spec"), dict):
+        spec, quality = q["spec"], q.get("quality") or {}
+        kernels = spec.get("kernels", "onnxruntime")
+        where = f" ({m['graph']['custom_ops']})" if m["graph"].get("custom_ops") else ""
+        agreement = quality.get("top1_agreement")
+        head = f"{spec['head_bits']}-bit" if spec.get("head_bits") else "float32"
+        console.print(escape(f"weights: {m['graph'].get('precision')} layers, {head} head and embedding, "
+                             f"{kernels} kernels{where}; lookahead exact: {m['graph'].get('lookahead_exact', True)}"
+                             + (f"; top-1 agreement with float32 {100 * agreement:.1f}%" if agreement is not None
+                                else "")))
     par = Table(title="parity (ONNX Runtime vs PyTorch)")
     for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):
         par.add_column(col)

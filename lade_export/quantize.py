@@ -56,6 +56,16 @@ ONNX Runtime may keep two copies in memory) — but an 8-bit head needs int8 act
 (see above) and a 4-bit one loses quality (top-1 agreement 79% on SmolLM2), so neither is
 the default.
 
+**This project's kernels** (``build --kernels lade``; :mod:`lade_export.kernels`) replace
+``MatMulNBits`` by ``MatMulBlockQ``, a custom operator compiled into the artifact: the same
+blocks of 32 stored as GGML's Q4_1 (``w = D·code + M``, float16 D and M: a Q4_1 checkpoint's
+blocks as they are) and, for the head and the tied embedding (8 bits by default there),
+Q8_0's; the arithmetic is float32 and each output row is computed from its own input row
+alone, so lookahead stays exact at 4 and at 8 bits, and no residual term is needed. On
+SmolLM2 the artifact is 96 MB instead of 192, its weights are exactly the GGUF's (top-1
+agreement 100%), and a one-token step reads about the bytes llama.cpp's Q4_1 step reads
+(bench/results/README.md has the measured speed).
+
 Attention itself (softmax, the KV cache) stays float32; the I/O contract of the step graph
 (:mod:`lade_export.specs`) does not change. Quality against the float32 graph is measured
 by :func:`quality_report` and recorded in the manifest.
@@ -73,6 +83,10 @@ from .sanitize import drop_unused_initializers
 
 #: ``--precision`` values for ONNX Runtime, and the bits each means.
 ORT_PRECISIONS = {"fp32": None, "int8": 8, "int4": 4}
+#: ``--kernels``: ONNX Runtime's own ``MatMulNBits``, or this project's (:mod:`lade_export.kernels`).
+KERNELS = ("onnxruntime", "lade")
+#: Weights per block of the lade kernels, and output columns per 512-bit vector.
+LANE_BLOCK, LANES = 32, 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +108,7 @@ class QuantSpec:
     block_size: int = 32
     accuracy_level: int = 1
     head_bits: int = 0
+    kernels: str = "onnxruntime"
 
     def __post_init__(self):
         if self.bits not in (4, 8) or self.head_bits not in (0, 4, 8):
@@ -102,25 +117,49 @@ class QuantSpec:
             raise ProfileError(f"--block-size must be a power of two ≥ 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ProfileError(f"--accuracy-level must be 0..4, got {self.accuracy_level}")
+        if self.kernels not in KERNELS:
+            raise ProfileError(f"--kernels must be {' or '.join(KERNELS)}, got {self.kernels!r}")
+        if self.kernels == "lade" and self.block_size != LANE_BLOCK:
+            raise ProfileError(f"--kernels lade uses blocks of {LANE_BLOCK} weights (GGML's Q4_1/Q8_0); "
+                               f"drop --block-size {self.block_size}")
 
     @property
     def lookahead_exact(self) -> bool:
         """Whether the engine computes a token the same in a one-token and a many-token
-        step (float32 compute, accuracy level 0 or 1): lookahead is exact only then."""
-        return self.accuracy_level in (0, 1)
+        step (float32 compute: accuracy level 0 or 1, or this project's kernels): lookahead
+        is exact only then."""
+        return self.kernels == "lade" or self.accuracy_level in (0, 1)
 
     @classmethod
-    def for_precision(cls, precision: str, block_size: int = 32, accuracy_level: int | None = None,
-                      head_bits: int = 0) -> "QuantSpec":
-        """The spec of ``--precision int4|int8``: int4 computes in float32 (accuracy level 1,
-        exact lookahead); ONNX Runtime's CPU 8-bit kernels need int8 activations (level 4)."""
+    def for_precision(cls, precision: str, block_size: int | None = None, accuracy_level: int | None = None,
+                      head_bits: int | None = None, kernels: str = "onnxruntime") -> "QuantSpec":
+        """The spec of ``--precision int4|int8``. With ONNX Runtime's kernels int4 computes
+        in float32 (accuracy level 1, exact lookahead) and int8 with int8 activations (level
+        4); the head stays float32 unless ``head_bits``. With ``kernels="lade"`` both compute
+        in float32 and the head defaults to 8 bits.
+
+        Raises:
+            ProfileError: ``--accuracy-level`` with ``kernels="lade"`` (whose kernels have one
+                compute type), or a value out of range.
+        """
         bits = ORT_PRECISIONS[precision]
+        if kernels == "lade":
+            if accuracy_level is not None:
+                raise ProfileError(f"--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; "
+                                   f"--kernels lade computes in float32: drop --accuracy-level {accuracy_level}")
+            return cls(bits, block_size or LANE_BLOCK, 0, 8 if head_bits is None else head_bits, kernels)
         level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)
-        return cls(bits, block_size, level, head_bits)
+        return cls(bits, block_size or 32, level, head_bits or 0, kernels)
 
     def as_dict(self) -> dict:
+        if self.kernels == "lade":
+            return {"bits": self.bits, "head_bits": self.head_bits, "block_size": self.block_size,
+                    "lookahead_exact": True, "kernels": "lade", "compute": "float32",
+                    "layers": "minmax: w = D·code + M per block of 32 (GGML Q4_1 for 4 bits), float16 D and M",
+                    "head_and_embedding": "absmax: code = round(w/D) + 128, D = max|w|/127, M = -128·D "
+                                          "(GGML Q8_0 for 8 bits; minmax for 4)"}
         return {"bits": self.bits, "head_bits": self.head_bits, "block_size": self.block_size,
-                "lookahead_exact": self.lookahead_exact,
+                "lookahead_exact": self.lookahead_exact, "kernels": "onnxruntime",
                 "accuracy_level": self.accuracy_level,
                 "layers": "minmax: asymmetric round-to-nearest per block; real zero point = uint zero point + "
                           "per-block residual term",
@@ -207,6 +246,103 @@ def _matmul_nbits(graph, node, weight: np.ndarray, bits: int, spec: QuantSpec, s
     return nodes
 
 
+def pack_block_lanes(weight: np.ndarray, bits: int, scheme: str) -> dict:
+    """Pack a MatMul weight for the lade kernels' ``MatMulBlockQ`` / ``GatherBlockQ``
+    (:mod:`lade_export.kernels`): blocks of 32 along K, ``w = D·code + M``.
+
+    Args:
+        weight: float [K, N], a MatMul's B; K a multiple of 32.
+        bits: 4 or 8.
+        scheme: ``"minmax"`` (``D = (max − min)/(2^bits − 1)``, ``M = min``: GGML's Q4_1 for
+            4 bits, so a Q4_1 checkpoint's blocks come back as they were) or ``"absmax"``
+            (8 bits: ``code = round(w/D) + 128``, ``D = max|w|/127``, ``M = −128·D``, GGML's
+            Q8_0 shifted to unsigned codes).
+
+    Returns:
+        ``{"q": uint8 [T, K/32, 64·bits], "d": float16 [T, K/32, 16], "m": float16 [T, K/32, 16],
+        "n": N}`` with T = ⌈N/16⌉ tiles of 16 columns (the last one padded with zero columns).
+        In tile t, block b, the 64·bits bytes are ``bits`` vectors of 16 little-endian uint32
+        lanes; lane i of vector g holds the code of column 16t + i, block element
+        j = (32/bits)·g + e, in bits [bits·e, bits·e + bits).
+    """
+    k, n = weight.shape
+    blocks = weight.T.reshape(n, k // LANE_BLOCK, LANE_BLOCK).astype(np.float32)
+    top = (1 << bits) - 1
+    if scheme == "absmax":
+        d = (np.abs(blocks).max(-1) / 127).astype(np.float16)
+        scale = d.astype(np.float32)
+        scale[scale == 0] = 1.0
+        codes = np.clip(np.round(blocks / scale[..., None]), -127, 127) + 128
+        m = (-128 * d.astype(np.float32)).astype(np.float16)
+    else:
+        low = blocks.min(-1)
+        d = ((blocks.max(-1) - low) / top).astype(np.float16)
+        m = low.astype(np.float16)
+        scale = d.astype(np.float32)
+        scale[scale == 0] = 1.0  # a constant block: code 0, w = M
+        codes = np.clip(np.round((blocks - m.astype(np.float32)[..., None]) / scale[..., None]), 0, top)
+    codes = codes.astype(np.uint32)
+    tiles = -(-n // LANES)
+    pad = tiles * LANES - n
+    if pad:
+        codes = np.concatenate([codes, np.zeros((pad,) + codes.shape[1:], np.uint32)])
+        d = np.concatenate([d, np.zeros((pad, d.shape[1]), np.float16)])
+        m = np.concatenate([m, np.zeros((pad, m.shape[1]), np.float16)])
+    per = LANE_BLOCK // bits
+    lanes = codes.reshape(tiles, LANES, k // LANE_BLOCK, bits, per).transpose(0, 2, 3, 1, 4)  # T, B, G, lane, e
+    words = np.zeros(lanes.shape[:-1], np.uint32)
+    for e in range(per):
+        words |= lanes[..., e] << np.uint32(bits * e)
+    words = np.ascontiguousarray(words).astype("<u4")
+
+    def by_tile(a):
+        return np.ascontiguousarray(a.reshape(tiles, LANES, -1).transpose(0, 2, 1))
+
+    return {"q": words.view(np.uint8).reshape(tiles, k // LANE_BLOCK, bits * 64), "d": by_tile(d), "m": by_tile(m),
+            "n": n}
+
+
+def dequantize_block_lanes(packed: dict) -> np.ndarray:
+    """The float32 weight [K, N] that :func:`pack_block_lanes`'s output stands for (what the
+    kernels multiply by, up to float32 rounding of ``D·code + M``)."""
+    q, d, m, n = packed["q"], packed["d"], packed["m"], packed["n"]
+    tiles, blocks, width = q.shape
+    bits = width // 64
+    per = LANE_BLOCK // bits
+    words = q.reshape(tiles, blocks, bits, LANES * 4).view("<u4")  # T, B, G, lane
+    codes = np.stack([(words >> np.uint32(bits * e)) & np.uint32((1 << bits) - 1) for e in range(per)], -1)
+    codes = codes.transpose(0, 3, 1, 2, 4).reshape(tiles * LANES, blocks, LANE_BLOCK).astype(np.float32)
+    d = d.transpose(0, 2, 1).reshape(tiles * LANES, blocks, 1).astype(np.float32)
+    m = m.transpose(0, 2, 1).reshape(tiles * LANES, blocks, 1).astype(np.float32)
+    return (codes * d + m).reshape(tiles * LANES, blocks * LANE_BLOCK)[:n].T
+
+
+def _matmul_block_q(graph, node, weight: np.ndarray, bits: int, scheme: str) -> list:
+    """``MatMulBlockQ`` replacing MatMul ``node`` (its packed weight added to ``graph``)."""
+    from onnx import helper, numpy_helper
+
+    from .kernels import DOMAIN
+
+    packed = pack_block_lanes(weight, bits, scheme)
+    base = node.input[1]
+    names = [f"{base}_lanes_q{bits}", f"{base}_lanes_d", f"{base}_lanes_m"]
+    graph.initializer.extend(numpy_helper.from_array(packed[key], name) for key, name in zip("qdm", names))
+    return [helper.make_node("MatMulBlockQ", [node.input[0], *names], list(node.output), name=f"{node.name}_Q{bits}",
+                             domain=DOMAIN, N=packed["n"])]
+
+
+def _lade_scheme(bits: int, scheme: str) -> str:
+    """The lade kernels' symmetric blocks are 8-bit only (Q8_0); a 4-bit head takes min-max blocks."""
+    return scheme if bits == 8 else "minmax"
+
+
+def _quantized_matmul(graph, node, weight: np.ndarray, bits: int, spec: QuantSpec, scheme: str) -> list:
+    """Nodes replacing MatMul ``node`` with the spec's kernels (``MatMulNBits`` or ``MatMulBlockQ``)."""
+    if spec.kernels == "lade":
+        return _matmul_block_q(graph, node, weight, bits, _lade_scheme(bits, scheme))
+    return _matmul_nbits(graph, node, weight, bits, spec, scheme)
+
+
 def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed_name: str = "embed_tokens.weight",
                         tied_transpose: str = "lm_head_tied_transpose") -> dict:
     """Write a weight-only quantized copy of the float32 step graph ``src`` to ``dst``.
@@ -249,7 +385,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
             continue  # the head reads the embedding itself (quantized below)
         b = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         if b is not None and b == head_weight:
-            new = _matmul_nbits(graph, node, np.ascontiguousarray(embed.T), spec.head_bits, spec, "absmax")
+            new = _quantized_matmul(graph, node, np.ascontiguousarray(embed.T), spec.head_bits, spec, "absmax")
             head = new[0]
             nodes += new
             matmuls += 1
@@ -257,8 +393,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
               and not (list(inits[b].dims) == [hidden, vocab] and not spec.head_bits)):
             w = numpy_helper.to_array(inits[b])
             is_head = list(w.shape) == [hidden, vocab]
-            nodes += _matmul_nbits(graph, node, w, spec.head_bits if is_head else spec.bits, spec,
-                                   "absmax" if is_head else "minmax")
+            nodes += _quantized_matmul(graph, node, w, spec.head_bits if is_head else spec.bits, spec,
+                                       "absmax" if is_head else "minmax")
             matmuls += 1
         else:
             nodes.append(node)
@@ -272,9 +408,21 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         gather = None  # float32 embedding: nothing to replace
     kbytes = hidden * spec.head_bits // 8
     blocks = hidden // spec.block_size
-    extra = []
+    extra, gather_done = [], False
     if gather is None:
         embedding = "float32"
+    elif spec.kernels == "lade":
+        from .kernels import DOMAIN
+
+        if head is not None:  # tied: the gather reads the head's own packed tensors
+            tables, embedding = list(head.input[1:4]), "shared with the LM head"
+        else:
+            packed = pack_block_lanes(np.ascontiguousarray(embed.T), spec.head_bits, _lade_scheme(spec.head_bits, "absmax"))
+            tables, embedding = ["embedding_lanes_q", "embedding_lanes_d", "embedding_lanes_m"], "own table"
+            graph.initializer.extend(numpy_helper.from_array(packed[key], name) for key, name in zip("qdm", tables))
+        extra.append(helper.make_node("GatherBlockQ", [*tables, gather.input[1]], list(gather.output),
+                                      name="embedding_gather_block_q", domain=DOMAIN, N=vocab))
+        gather_done = True
     elif head is not None:  # tied: the gather reads the head's packed weight
         shape = helper.make_tensor("embedding_q_shape", onnx.TensorProto.INT64, [2], [vocab, kbytes])
         graph.initializer.append(shape)
@@ -286,17 +434,19 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         graph.initializer.extend([numpy_helper.from_array(q["packed"].reshape(vocab, kbytes), "embedding_q"),
                                   numpy_helper.from_array(q["scales"].reshape(vocab, blocks), "embedding_scales")])
         data, scales, embedding = "embedding_q", "embedding_scales", "own table"
-    if gather is not None:
+    if gather is not None and not gather_done:
         extra.append(helper.make_node("GatherBlockQuantized", [data, gather.input[1], scales], list(gather.output),
                                       name="embedding_gather_quantized", domain="com.microsoft", gather_axis=0,
                                       quantize_axis=1, block_size=spec.block_size, bits=spec.head_bits))
+    if gather is not None:
         position = list(graph.node).index(gather)
         graph.node.remove(gather)
         for k, node in enumerate(extra):
             graph.node.insert(position + k, node)
     drop_unused_initializers(graph)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
+    if not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(domain, 1))
     for leftover in dst.parent.glob(dst.name + "*"):
         leftover.unlink()
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,

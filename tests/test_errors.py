@@ -317,6 +317,19 @@ CASES = [
     ("build-precision-tensorrt-int4", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--precision",
                                                        "int4", "--out", t / "o"], 2,
      "--precision int4 makes MatMulNBits weights, which TensorRT cannot parse; --engine tensorrt takes fp16, bf16 or fp32"),
+    ("build-kernels-fp32", lambda t, s, a: ["build", "--model", s, "--kernels", "lade", "--out", t / "o"], 2,
+     "--kernels applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); this build is fp32"),
+    ("build-kernels-accuracy-level", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--kernels", "lade",
+                                                      "--accuracy-level", 4, "--out", t / "o"], 2,
+     "--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; --kernels lade computes in float32: drop "
+     "--accuracy-level 4"),
+    ("build-kernels-block-size", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--kernels", "lade",
+                                                  "--block-size", 64, "--out", t / "o"], 2,
+     "--kernels lade uses blocks of 32 weights (GGML's Q4_1/Q8_0); drop --block-size 64"),
+    ("build-kernels-tensorrt", lambda t, s, a: ["build", "--model", s, "--engine", "tensorrt", "--kernels", "lade",
+                                                "--out", t / "o"], 2,
+     "--kernels lade makes ONNX Runtime custom operators, which TensorRT cannot parse; --engine tensorrt takes fp16, "
+     "bf16 or fp32"),
     ("build-precision-onnx-fp16", lambda t, s, a: ["build", "--model", s, "--precision", "fp16", "--out", t / "o"], 2,
      "--precision fp16 is a TensorRT (or torch backend) precision; ONNX Runtime engines take fp32, int8 or int4"),
     ("build-int8-lookahead", lambda t, s, a: ["build", "--model", s, "--precision", "int8", "--profile", "default",
@@ -407,7 +420,7 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
 
 def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
-    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
+    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "build-kernels-no-headers", "artifact-kernels-missing", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent", "build-rope-capped",
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
                                    "generate-profile-wider-than-step-room", "api-token-id-outside-vocab"} | \

@@ -42,7 +42,8 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
     if backend == "ort":
         from .onnxruntime import OrtEngine
 
-        return OrtEngine(artifact.onnx_path, artifact.dims, threads=threads, provider="cuda" if device == "cuda" else "cpu")
+        return OrtEngine(artifact.onnx_path, artifact.dims, threads=threads, provider="cuda" if device == "cuda" else "cpu",
+                         custom_ops=artifact.custom_ops_path)
     if backend == "torch":
         import torch
 

@@ -18,6 +18,8 @@ class OrtEngine:
         dims: the model's shape facts (from the manifest, or the step module at export).
         threads: intra-op threads (None: ORT's default, one per core).
         provider: ``"cpu"`` or ``"cuda"`` (CUDAExecutionProvider, when onnxruntime-gpu is installed).
+        custom_ops: a custom-op library the graph needs (an artifact's ``graph.custom_ops``,
+            :mod:`lade_export.kernels`), registered with the session; None for none.
 
     ``run`` may be called from several threads at once (ONNX Runtime sessions allow
     concurrent ``Run`` calls and release the GIL while running).
@@ -31,19 +33,32 @@ class OrtEngine:
             step's keys and values into the caller's buffer and copies nothing else.
 
     Raises:
-        ArtifactError: the model file is missing or ORT cannot load it.
-        BackendUnavailableError: ``provider="cuda"`` without the CUDA execution provider.
+        ArtifactError: the model file or the custom-op library is missing, or ORT cannot load them.
+        BackendUnavailableError: ``provider="cuda"`` without the CUDA execution provider, or a
+            custom-op library with an ONNX Runtime older than the 1.29 its API needs.
     """
 
     name = "ort"
 
-    def __init__(self, onnx_path: str | Path, dims: ModelDims, threads: int | None = None, provider: str = "cpu"):
+    def __init__(self, onnx_path: str | Path, dims: ModelDims, threads: int | None = None, provider: str = "cpu",
+                 custom_ops: str | Path | None = None):
         import onnxruntime as ort
 
         path = Path(onnx_path)
         if not path.is_file():
             raise ArtifactError(f"ONNX model not found: {path}")
         options = ort.SessionOptions()
+        if custom_ops is not None:
+            if not Path(custom_ops).is_file():
+                raise ArtifactError(f"custom-op library not found: {custom_ops}")
+            version = tuple(int(v) for v in ort.__version__.split(".")[:2] if v.isdigit())
+            if version < (1, 29):
+                raise BackendUnavailableError(f"{path.parent} computes with lade kernels, which need onnxruntime>=1.29 "
+                                              f"(installed: {ort.__version__})")
+            try:
+                options.register_custom_ops_library(str(custom_ops))
+            except Exception as err:
+                raise ArtifactError(f"ONNX Runtime cannot load {custom_ops}: {str(err).splitlines()[0]}") from None
         if threads:
             options.intra_op_num_threads = threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

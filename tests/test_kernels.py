@@ -1,0 +1,229 @@
+"""This project's block-quantized kernels (``build --kernels lade``): the packed layout holds
+GGML's Q4_1/Q8_0 grids exactly, ``MatMulBlockQ`` matches a float64 product and computes every
+row the same whatever else is in the batch (on the AVX-512 path and the portable one), the
+built artifacts ship the library and keep lookahead exact, and bad input gets one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import lade_export
+from lade_export.cli import main
+from lade_export.errors import ArtifactError, ProfileError
+from lade_export.kernels import LIBRARY, compile_library
+from lade_export.profile import resolve_profile
+from lade_export.quantize import QuantSpec, dequantize_block_lanes, pack_block_lanes
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return compile_library(tmp_path_factory.mktemp("kernels") / "liblade_kernels.so")
+
+
+def _q4_1_grid(rng, k, n):
+    """A [K, N] weight that is exactly a Q4_1 tensor: float16 d and m per block of 32."""
+    d = rng.uniform(0.001, 0.05, size=(n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.5, 0.1, size=(n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, size=(n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15  # a Q4_1 block spans its range: min = m, max = m + 15·d
+    return (q * d + m).reshape(n, k).T.astype(np.float32)
+
+
+def _q8_0_grid(rng, k, n):
+    d = rng.uniform(0.001, 0.02, size=(n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    q = rng.integers(-127, 128, size=(n, k // 32, 32))
+    q[..., 0] = -127  # the block's absmax is 127·d, as Q8_0 makes it
+    return (q * d).reshape(n, k).T.astype(np.float32)
+
+
+def test_packed_lanes_hold_q4_1_and_q8_0_grids_exactly():
+    rng = np.random.default_rng(0)
+    for make, bits, scheme in ((_q4_1_grid, 4, "minmax"), (_q8_0_grid, 8, "absmax")):
+        w = make(rng, 96, 40)  # 40 columns: 3 tiles of 16, the last one padded
+        packed = pack_block_lanes(w, bits, scheme)
+        assert packed["q"].shape == (3, 3, 64 * bits) and packed["d"].shape == (3, 3, 16) and packed["n"] == 40
+        assert np.array_equal(dequantize_block_lanes(packed), w), scheme
+
+
+def _session(library, nodes, inits, inputs, threads=2):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                              [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes],
+                              [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("lade_export", 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+# Run in a subprocess so that LADE_KERNELS_PORTABLE (read once per process) can pick the path.
+_ROW_CHECK = r"""
+import json, sys
+import numpy as np
+from onnx import TensorProto, helper
+sys.path.insert(0, sys.argv[2])
+from test_kernels import _session, _q4_1_grid, _q8_0_grid
+from lade_export.quantize import pack_block_lanes, dequantize_block_lanes
+rng = np.random.default_rng(3)
+worst, independent = 0.0, True
+for bits, k, n in ((4, 64, 344), (4, 576, 200), (8, 128, 96), (8, 64, 50)):
+    w = (_q4_1_grid if bits == 4 else _q8_0_grid)(rng, k, n)
+    p = pack_block_lanes(w, bits, "minmax" if bits == 4 else "absmax")
+    node = helper.make_node("MatMulBlockQ", ["x", "q", "d", "m"], ["y"], domain="lade_export", N=n)
+    s = _session(sys.argv[1], [node], {"q": p["q"], "d": p["d"], "m": p["m"]}, [("x", TensorProto.FLOAT, ["s", k])])
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    y = s.run(None, {"x": x})[0]
+    ref = x.astype(np.float64) @ dequantize_block_lanes(p).astype(np.float64)
+    worst = max(worst, float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))))
+    for width in (1, 2, 3, 4, 5, 8):
+        for start in range(0, 11 - width + 1, 2):
+            part = s.run(None, {"x": x[start:start + width]})[0]
+            independent &= bool(np.array_equal(part, y[start:start + width]))
+print(json.dumps({"worst_rel": worst, "independent": independent}))
+"""
+
+
+@pytest.mark.parametrize("path", ["avx512-or-portable", "portable"])
+def test_matmul_block_q_matches_float64_and_each_row_is_computed_alone(library, path):
+    env = dict(os.environ)
+    env.pop("LADE_KERNELS_PORTABLE", None)
+    if path == "portable":
+        env["LADE_KERNELS_PORTABLE"] = "1"
+    done = subprocess.run([sys.executable, "-c", _ROW_CHECK, str(library), os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["worst_rel"] < 2e-6  # float32 arithmetic against a float64 product
+    assert result["independent"] is True  # a row's output is bit for bit the same in any batch
+
+
+def test_gather_block_q_returns_table_rows_and_names_bad_input(library):
+    from onnx import TensorProto, helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    rng = np.random.default_rng(4)
+    w = _q8_0_grid(rng, 64, 100)  # [hidden, vocab]: the head's weight; column v is token v's embedding
+    p = pack_block_lanes(w, 8, "absmax")
+    node = helper.make_node("GatherBlockQ", ["q", "d", "m", "ids"], ["e"], domain="lade_export", N=100)
+    s = _session(library, [node], {"q": p["q"], "d": p["d"], "m": p["m"]}, [("ids", TensorProto.INT64, ["b", "s"])])
+    ids = np.array([[0, 99, 17], [5, 5, 64]], np.int64)
+    assert np.array_equal(s.run(None, {"ids": ids})[0], w.T[ids])
+    with pytest.raises(InvalidArgument, match="GatherBlockQ: token id 100 is outside the table's 100 rows"):
+        s.run(None, {"ids": np.array([[100]], np.int64)})
+    bad = helper.make_node("MatMulBlockQ", ["x", "q", "d", "m"], ["y"], domain="lade_export", N=100)
+    s = _session(library, [bad], {"q": p["q"], "d": p["d"][:, :1], "m": p["m"]}, [("x", TensorProto.FLOAT, [1, 64])])
+    with pytest.raises(InvalidArgument, match=r"MatMulBlockQ: scales \[7, 1, 16\] and offsets \[7, 2, 16\] are not "
+                                              r"\[7, 2, 16\]"):
+        s.run(None, {"x": np.zeros((1, 64), np.float32)})
+
+
+@pytest.fixture(scope="module")
+def stories_lade(tmp_path_factory, stories_dir, stories_loaded):
+    from lade_export.build import build_artifact
+
+    out = tmp_path_factory.mktemp("lade") / "art"
+    build_artifact(str(stories_dir), [resolve_profile("default-int4"), resolve_profile("default")], out,
+                   loaded=stories_loaded, quantization=QuantSpec.for_precision("int4", kernels="lade"))
+    return out
+
+
+def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
+    import onnx
+
+    m = json.loads((stories_lade / "manifest.json").read_text())
+    assert m["graph"]["custom_ops"] == LIBRARY == "kernels/liblade_kernels.so"
+    assert m["graph"]["precision"] == "int4" and m["graph"]["lookahead_exact"] is True
+    assert LIBRARY in m["files"] and m["files"][LIBRARY]["bytes"] == (stories_lade / LIBRARY).stat().st_size
+    spec = m["quantization"]["spec"]
+    assert (spec["kernels"], spec["bits"], spec["head_bits"], spec["compute"]) == ("lade", 4, 8, "float32")
+    assert m["default_profile"] == "default-int4"
+    assert m["quantization"]["quality"]["top1_agreement"] > 0.85  # 4-bit stories260K: 90% measured
+    graph = onnx.load(str(stories_lade / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    # 5 layers × (q/k/v, o, gate/up) + the head; the 172-wide down projection is no multiple of 32 and stays float32
+    assert ops.count("MatMulBlockQ") == 16 and ops.count("GatherBlockQ") == 1
+    weights = {i.name for i in graph.graph.initializer}
+    assert "MatMulNBits" not in ops
+    assert sum(n.op_type == "MatMul" and n.input[1] in weights for n in graph.graph.node) == 5
+    shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_lade)]).output.split())
+    assert ("weights: int4 layers, 8-bit head and embedding, lade kernels (kernels/liblade_kernels.so); lookahead "
+            "exact: True; top-1 agreement with float32") in shown
+
+
+def test_lookahead_equals_greedy_on_the_lade_engine(stories_lade, reference_greedy):
+    model = lade_export.load(stories_lade)
+    model.decoder.stop_token_ids = frozenset()
+    for case in reference_greedy["cases"]:
+        greedy = model.generate(case["prompt_ids"], max_new_tokens=128, lookahead=False)
+        for profile in ("default-int4", "default", "wide", "paper", "small", "2,3,2,6,2", "0,3,2,6,2"):
+            look = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile)
+            assert look.token_ids == greedy.token_ids, profile
+        assert look.stats.steps < greedy.stats.steps
+
+
+def test_threads_share_a_lade_engine(stories_lade):
+    model = lade_export.load(stories_lade)
+    prompts = ["Once upon a time", "The little dog", "Lily went to the park", "Tom had a red ball"]
+    alone = [model.generate(p, max_new_tokens=48, profile="default").token_ids for p in prompts]
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = model.generate(prompts[i], max_new_tokens=48, profile="default").token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+
+
+def test_int8_with_lade_kernels_is_exact_and_looks_ahead(tmp_path, stories_dir, stories_loaded):
+    from lade_export.build import build_artifact
+
+    out = tmp_path / "int8"
+    m = build_artifact(str(stories_dir), [resolve_profile("default-int4")], out, loaded=stories_loaded,
+                       quantization=QuantSpec.for_precision("int8", kernels="lade"))
+    assert m["graph"]["lookahead_exact"] is True and m["quantization"]["quality"]["top1_agreement"] > 0.97
+    model = lade_export.load(out)
+    greedy = model.generate("Once upon a time", max_new_tokens=64, lookahead=False)
+    for profile in ("default-int4", "default", "paper"):
+        assert model.generate("Once upon a time", max_new_tokens=64, profile=profile).token_ids == greedy.token_ids
+
+
+def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(stories_lade, copy)
+    (copy / LIBRARY).unlink()
+    with pytest.raises(ArtifactError, match="kernels/liblade_kernels.so"):
+        lade_export.load(copy)
+    result = CliRunner().invoke(main, ["generate", str(copy), "--prompt", "Once", "--max-new-tokens", "4"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_build_without_the_headers_stops_before_any_work(tmp_path, stories_dir, monkeypatch):
+    """The other refused --kernels combinations are rows of docs/errors.md (tests/test_errors.py)."""
+    monkeypatch.setenv("LADE_ORT_INCLUDE", str(tmp_path))  # no headers there, nor in HOME's cache
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: --kernels lade needs ONNX Runtime's C/C++ headers (onnxruntime_cxx_api.h) in $LADE_ORT_INCLUDE or "
+        "~/.cache/lade-export/ort-include; run `bash scripts/fetch_ort_headers.sh`")
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ProfileError, match="--kernels must be onnxruntime or lade, got 'mlas'"):
+        QuantSpec(4, kernels="mlas")
