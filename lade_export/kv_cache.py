@@ -59,6 +59,7 @@ class KVCache:
         else:
             shape = (1, dims.kv_heads, capacity + step_room, dims.head_dim)
         self.keys = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
+        self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
         self.values = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
 
     @property
@@ -71,12 +72,16 @@ class KVCache:
         (``sequence-major``; contiguous, so engines read them without a copy), or the
         buffers themselves [1, kv_heads, capacity + step_room, head_dim] (``head-major-shared``;
         the engine writes the step into them)."""
-        out = {}
         shared = self.layout == "head-major-shared"
+        if shared and self._shared_feeds is not None:
+            return self._shared_feeds  # the same buffers every step
+        out = {}
         n = self.length
         for i in range(self.dims.num_layers):
             out[past_key_name(i)] = self.keys[i] if shared else self.keys[i][:, :n]
             out[past_value_name(i)] = self.values[i] if shared else self.values[i][:, :n]
+        if shared:
+            self._shared_feeds = out
         return out
 
     def append(self, outputs: dict, rows: np.ndarray | None = None, step: int | None = None) -> None:

@@ -128,6 +128,47 @@ def test_the_shared_cache_is_written_in_place_and_holds_only_accepted_tokens(bot
             np.testing.assert_allclose(got[:, :, :n].transpose(0, 2, 1, 3), want[:, :n], atol=2e-5)
 
 
+def test_a_requests_cache_is_bound_once_and_threads_share_the_engine(both):
+    """The I/O binding of a request's cache buffers is made at its first step and reused
+    (a step binds only its small inputs and outputs); requests on several threads, each
+    with its own buffers, decode what they decode alone."""
+    import threading
+
+    fused_dir, _, plain_dir, _ = both
+    fused, plain = _decoder(fused_dir), _decoder(plain_dir)
+    made = []
+    real = fused.engine.session.io_binding
+
+    class Counting:  # the session is a C++ object; count its io_binding() calls through a proxy
+        def __init__(self, session):
+            self._session = session
+
+        def io_binding(self):
+            made.append(1)
+            return real()
+
+        def __getattr__(self, name):
+            return getattr(self._session, name)
+
+    fused.engine.session = Counting(fused.engine.session)
+    prompts = [[1, 45, 300, 12, 7, 88, 45, 300, 12, 9], [1, 7, 7, 7, 20, 21], [1, 300, 301, 302], [1, 99, 98, 97, 99]]
+    alone = [fused.generate(p, 40, resolve_profile("default")) for p in prompts]
+    assert [a.token_ids for a in alone] == [plain.generate(p, 40, None).token_ids for p in prompts]
+    assert len(made) == len(prompts)  # one binding per request's buffers, not one per step
+    assert sum(a.stats.steps for a in alone) > 4 * len(prompts)
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = fused.generate(prompts[i], 40, resolve_profile("default")).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [a.token_ids for a in alone]
+
+
 def test_a_profile_wider_than_the_rotary_table_is_refused(both):
     from lade_export.graph import STEP_ROOM
 

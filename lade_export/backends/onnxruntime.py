@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ArtifactError, BackendUnavailableError, EngineError, ProfileError
 from ..specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
+
+
+#: I/O bindings of distinct cache buffer sets an engine keeps (one per concurrent request
+#: is enough; older ones are dropped).
+KEPT_BINDINGS = 16
 
 
 class OrtEngine:
@@ -82,6 +89,9 @@ class OrtEngine:
         self.kv_layout = meta.get("kv_layout", "sequence-major")
         self.step_room = int(meta["step_room"]) if "step_room" in meta else None
         self._shared = {}  # past input name -> present output name (head-major-shared)
+        self._bindings = {}  # (with_logits, cache buffers) -> IOBinding with those buffers bound (_run_shared)
+        self._bindings_lock = threading.Lock()
+        self._addresses = {}  # id(cache buffer) -> (weak reference, address)
         if self.kv_layout == "head-major-shared":
             self._shared = {past_key_name(i): present_key_name(i) for i in range(dims.num_layers)}
             self._shared.update({past_value_name(i): present_value_name(i) for i in range(dims.num_layers)})
@@ -117,21 +127,29 @@ class OrtEngine:
     def _run_shared(self, feeds: dict, with_logits: bool) -> dict:
         """``run`` for a ``head-major-shared`` graph: each cache buffer is bound as its past
         input and as its present output (I/O binding), so the step writes into it in place.
-        Returns ``next_token_ids`` (and ``logits``) plus the buffers under the present names."""
-        binding = self.session.io_binding()
-        out = {}
+        Returns ``next_token_ids`` (and ``logits``) plus the buffers under the present names.
+
+        The cache bindings of a set of buffers are made once and kept (an ONNX Runtime
+        ``IOBinding`` per set, up to :data:`KEPT_BINDINGS`, taken out while a step runs so
+        that threads never share one): a step binds only its small inputs and outputs."""
+        out, small, pointers = {}, {}, []
         for name, value in feeds.items():
             present = self._shared.get(name)
             if present is None:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                small[name] = value
                 continue
-            if value.dtype != np.float32 or not value.flags.c_contiguous or not value.flags.writeable:
-                raise EngineError(f"{name}: the cache buffer must be a writeable C-contiguous float32 array "
-                                  f"[batch, kv_heads, capacity, head_dim], got {value.dtype} {value.shape}")
-            pointer = value.ctypes.data
-            binding.bind_input(name, "cpu", 0, np.float32, value.shape, pointer)
-            binding.bind_output(present, "cpu", 0, np.float32, value.shape, pointer)
+            pointers.append((name, self._buffer_address(name, value), value.shape))
             out[present] = value
+        key = (with_logits, *pointers)  # a binding never holds a logits output that a step does not fill
+        with self._bindings_lock:
+            binding = self._bindings.pop(key, None)
+        if binding is None:
+            binding = self.session.io_binding()
+            for name, pointer, shape in pointers:
+                binding.bind_input(name, "cpu", 0, np.float32, shape, pointer)
+                binding.bind_output(self._shared[name], "cpu", 0, np.float32, shape, pointer)
+        for name, value in small.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
         # The small outputs go to arrays of their known shapes, so nothing is fetched back.
         rows = np.shape(feeds["logits_positions"])
         out["next_token_ids"] = np.empty(rows, np.int64)
@@ -144,7 +162,29 @@ class OrtEngine:
             self.session.run_with_iobinding(binding)
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+        with self._bindings_lock:
+            self._bindings[key] = binding
+            while len(self._bindings) > KEPT_BINDINGS:
+                self._bindings.pop(next(iter(self._bindings)))
         return out
 
+    def _buffer_address(self, name: str, value) -> int:
+        """Address of a cache buffer, checked once per buffer object (the decoder passes the
+        same buffers every step; ``ndarray.ctypes`` costs microseconds per call)."""
+        known = self._addresses.get(id(value))
+        if known is not None and known[0]() is value:
+            return known[1]
+        if not isinstance(value, np.ndarray) or value.dtype != np.float32 or not value.flags.c_contiguous \
+                or not value.flags.writeable:
+            raise EngineError(f"{name}: the cache buffer must be a writeable C-contiguous float32 array "
+                              f"[batch, kv_heads, capacity, head_dim], got {getattr(value, 'dtype', type(value))} "
+                              f"{getattr(value, 'shape', '')}")
+        if len(self._addresses) > 4096:  # forget buffers that no longer exist
+            self._addresses = {k: v for k, v in self._addresses.items() if v[0]() is not None}
+        address = value.ctypes.data
+        self._addresses[id(value)] = (weakref.ref(value), address)
+        return address
+
     def close(self) -> None:
+        self._bindings.clear()
         self.session = None
