@@ -266,9 +266,20 @@ class Artifact:
     @property
     def custom_ops_path(self) -> Path | None:
         """The custom-op library the graph computes with (``graph.custom_ops``, built with
-        ``--kernels lade``; :mod:`lade_export.kernels`), or None."""
+        ``--kernels lade``; :mod:`lade_export.kernels`), or None.
+
+        Raises:
+            ArtifactError: the name is absolute, leaves the artifact, or is not in ``files``
+                (whose sha256 ``verify_files`` checks before anything loads it)."""
         name = self.manifest["graph"].get("custom_ops")
-        return self.root / name if name else None
+        if not name:
+            return None
+        # Native code is loaded from it: only a file inside the artifact whose sha256 the manifest records.
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts \
+                or name not in self.manifest.get("files", {}):
+            raise ArtifactError(f"{self.root / 'manifest.json'}: graph.custom_ops {name!r} is not a file of the "
+                                "artifact listed in its files; rebuild with lade-export build")
+        return self.root / name
 
     @property
     def dims(self):

@@ -140,11 +140,11 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     if engine == "onnx" and precision not in ORT_PRECISIONS:
         raise ProfileError(f"--precision {precision} is a TensorRT (or torch backend) precision; ONNX Runtime engines "
                            "take fp32, int8 or int4")
-    if engine == "tensorrt" and precision in ("int8", "int4"):
-        raise ProfileError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
-                           "--engine tensorrt takes fp16, bf16 or fp32")
     if engine == "tensorrt" and kernels == "lade":
         raise ProfileError("--kernels lade makes ONNX Runtime custom operators, which TensorRT cannot parse; "
+                           "--engine tensorrt takes fp16, bf16 or fp32")
+    if engine == "tensorrt" and precision in ("int8", "int4"):
+        raise ProfileError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
                            "--engine tensorrt takes fp16, bf16 or fp32")
     refuse_fused_attention_on_tensorrt(attention, engine == "tensorrt")
     quantized = engine == "onnx" and bool(ORT_PRECISIONS.get(precision))
@@ -158,10 +158,15 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
                            f"give --precision int8 or int4")
     quantization = QuantSpec.for_precision(precision, block_size, accuracy_level,
                                            None if head_bits is None else int(head_bits), kernels) if quantized else None
-    if kernels == "lade" and not dry_run:
+    if kernels == "lade":
         from .kernels import require_toolchain
 
-        require_toolchain()  # before any work: no compiler or headers, nothing is written
+        require_toolchain()  # before any work (and in a dry run): no compiler or headers, nothing is written
+        from .kernels import cpu_has_avx512
+
+        if cpu_has_avx512() is False:
+            click.echo("note: this CPU lacks AVX-512 (avx512f/bw/vl/dq); the lade kernels take their portable path "
+                       "here, about 12x slower than on an AVX-512 CPU: --kernels onnxruntime is faster on it", err=True)
     profiles = _profiles(profile_values or (default_profile_for(precision, kernels),))
     if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
         raise ProfileError(f"--precision {precision} with accuracy level {quantization.accuracy_level} computes one-token "
@@ -181,7 +186,8 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
             click.echo(f"note: {step.rope.reason}", err=True)
         for profile in profiles:
             profile.check_fits(dims.max_context)
-        click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json")
+        library = ", kernels/liblade_kernels.so (compiled)" if kernels == "lade" else ""
+        click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json{library}")
         if engine_options:
             from .backends.tensorrt import (SUPPORTED_MAJORS, describe_precision_plan, installed_tensorrt_major,
                                             precision_plan)
@@ -617,7 +623,8 @@ def check(artifact_dir, max_abs, max_rel):
             shown.append(dataclasses.replace(worst, output=f"present.* (worst: {worst.output})",
                                              ok=all(e.ok for e in present)))
     for e in shown:
-        table.add_row(e.runner, e.output, f"{e.max_abs:.2e}", f"{e.rel:.1e}", e.case, "yes" if e.ok else "NO")
+        verdict = "n/a (quantized)" if not e.judged else "yes" if e.ok else "NO"
+        table.add_row(e.runner, e.output, f"{e.max_abs:.2e}", f"{e.rel:.1e}", e.case, verdict)
     from rich.console import Console
 
     Console(width=None if sys.stdout.isatty() else 160).print(table)

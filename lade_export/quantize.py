@@ -153,17 +153,20 @@ class QuantSpec:
 
     def as_dict(self) -> dict:
         if self.kernels == "lade":
+            head = {0: "float32", 4: "minmax, as the layers (4 bits)",
+                    8: "absmax: code = round(w/D) + 128, D = max|w|/127, M = -128·D (GGML Q8_0)"}[self.head_bits]
             return {"bits": self.bits, "head_bits": self.head_bits, "block_size": self.block_size,
                     "lookahead_exact": True, "kernels": "lade", "compute": "float32",
-                    "layers": "minmax: w = D·code + M per block of 32 (GGML Q4_1 for 4 bits), float16 D and M",
-                    "head_and_embedding": "absmax: code = round(w/D) + 128, D = max|w|/127, M = -128·D "
-                                          "(GGML Q8_0 for 8 bits; minmax for 4)"}
+                    "layers": f"minmax: w = D·code + M per block of 32, {self.bits}-bit codes, float16 D and M"
+                              + (" (GGML Q4_1)" if self.bits == 4 else ""),
+                    "head_and_embedding": head}
         return {"bits": self.bits, "head_bits": self.head_bits, "block_size": self.block_size,
                 "lookahead_exact": self.lookahead_exact, "kernels": "onnxruntime",
                 "accuracy_level": self.accuracy_level,
                 "layers": "minmax: asymmetric round-to-nearest per block; real zero point = uint zero point + "
                           "per-block residual term",
-                "head_and_embedding": "absmax: symmetric round-to-nearest per block, scale max|w|/(2^(bits-1)-1)"}
+                "head_and_embedding": "absmax: symmetric round-to-nearest per block, scale max|w|/(2^(bits-1)-1)"
+                                      if self.head_bits else "float32"}
 
 
 def block_quant(weight: np.ndarray, bits: int, block_size: int, scheme: str) -> dict:

@@ -420,7 +420,9 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
 
 def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
-    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "build-kernels-no-headers", "artifact-kernels-missing", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
+    ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "build-kernels-no-headers", "artifact-kernels-missing",
+                                   "build-kernels-bad-toolchain", "artifact-custom-ops-outside",
+                                   "generate-torch-quantized", "check-quantized", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent", "build-rope-capped",
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
                                    "generate-profile-wider-than-step-room", "api-token-id-outside-vocab"} | \

@@ -69,14 +69,14 @@ def _session(library, nodes, inits, inputs, threads=2):
 
 # Run in a subprocess so that LADE_KERNELS_PORTABLE (read once per process) can pick the path.
 _ROW_CHECK = r"""
-import json, sys
+import hashlib, json, sys
 import numpy as np
 from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[2])
 from test_kernels import _session, _q4_1_grid, _q8_0_grid
 from lade_export.quantize import pack_block_lanes, dequantize_block_lanes
 rng = np.random.default_rng(3)
-worst, independent = 0.0, True
+worst, independent, digest = 0.0, True, hashlib.sha256()
 for bits, k, n in ((4, 64, 344), (4, 576, 200), (8, 128, 96), (8, 64, 50)):
     w = (_q4_1_grid if bits == 4 else _q8_0_grid)(rng, k, n)
     p = pack_block_lanes(w, bits, "minmax" if bits == 4 else "absmax")
@@ -84,28 +84,38 @@ for bits, k, n in ((4, 64, 344), (4, 576, 200), (8, 128, 96), (8, 64, 50)):
     s = _session(sys.argv[1], [node], {"q": p["q"], "d": p["d"], "m": p["m"]}, [("x", TensorProto.FLOAT, ["s", k])])
     x = rng.standard_normal((11, k)).astype(np.float32)
     y = s.run(None, {"x": x})[0]
+    digest.update(y.tobytes())
     ref = x.astype(np.float64) @ dequantize_block_lanes(p).astype(np.float64)
     worst = max(worst, float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))))
     for width in (1, 2, 3, 4, 5, 8):
         for start in range(0, 11 - width + 1, 2):
             part = s.run(None, {"x": x[start:start + width]})[0]
             independent &= bool(np.array_equal(part, y[start:start + width]))
-print(json.dumps({"worst_rel": worst, "independent": independent}))
+print(json.dumps({"worst_rel": worst, "independent": independent, "digest": digest.hexdigest()}))
 """
 
 
-@pytest.mark.parametrize("path", ["avx512-or-portable", "portable"])
-def test_matmul_block_q_matches_float64_and_each_row_is_computed_alone(library, path):
+def _row_check(library, portable: str | None) -> dict:
     env = dict(os.environ)
     env.pop("LADE_KERNELS_PORTABLE", None)
-    if path == "portable":
-        env["LADE_KERNELS_PORTABLE"] = "1"
+    if portable is not None:
+        env["LADE_KERNELS_PORTABLE"] = portable
     done = subprocess.run([sys.executable, "-c", _ROW_CHECK, str(library), os.path.dirname(__file__)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["worst_rel"] < 2e-6  # float32 arithmetic against a float64 product
-    assert result["independent"] is True  # a row's output is bit for bit the same in any batch
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_matmul_block_q_matches_float64_and_each_row_is_computed_alone(library):
+    from lade_export.kernels import cpu_has_avx512
+
+    native, portable, zero = _row_check(library, None), _row_check(library, "1"), _row_check(library, "0")
+    for result in (native, portable):
+        assert result["worst_rel"] < 2e-6  # float32 arithmetic against a float64 product
+        assert result["independent"] is True  # a row's output is bit for bit the same in any batch
+    assert zero["digest"] == native["digest"]  # only LADE_KERNELS_PORTABLE=1 forces the portable path
+    if cpu_has_avx512():  # the two paths sum in different orders: the switch really switches
+        assert portable["digest"] != native["digest"]
 
 
 def test_gather_block_q_returns_table_rows_and_names_bad_input(library):
@@ -216,8 +226,8 @@ def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
 
 def test_a_build_without_the_headers_stops_before_any_work(tmp_path, stories_dir, monkeypatch):
     """The other refused --kernels combinations are rows of docs/errors.md (tests/test_errors.py)."""
-    monkeypatch.setenv("LADE_ORT_INCLUDE", str(tmp_path))  # no headers there, nor in HOME's cache
-    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("LADE_ORT_INCLUDE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no headers in HOME's cache
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade",
                                        "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
@@ -227,3 +237,61 @@ def test_a_build_without_the_headers_stops_before_any_work(tmp_path, stories_dir
     assert not (tmp_path / "o").exists()
     with pytest.raises(ProfileError, match="--kernels must be onnxruntime or lade, got 'mlas'"):
         QuantSpec(4, kernels="mlas")
+
+
+def test_toolchain_problems_are_named(tmp_path, monkeypatch):
+    from lade_export.errors import BackendUnavailableError
+    from lade_export.kernels import header_dir, require_toolchain
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(BackendUnavailableError, match=r"\$CXX is '.*no-such-g\+\+', which is not an executable compiler"):
+        require_toolchain()
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails without a word
+    with pytest.raises(BackendUnavailableError, match=r"compiling the lade kernels failed: .*false exited with status 1, "
+                                                      r"printing nothing"):
+        compile_library(tmp_path / "lib.so")
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("LADE_ORT_INCLUDE", str(tmp_path))  # named, but empty: no fallback to the cache
+    with pytest.raises(BackendUnavailableError, match=r"\$LADE_ORT_INCLUDE is .*, which holds no onnxruntime_cxx_api.h"):
+        header_dir()
+
+
+def test_dry_run_checks_the_toolchain_and_names_the_library(tmp_path, stories_dir, monkeypatch):
+    args = ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade", "--dry-run",
+            "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "kernels/liblade_kernels.so (compiled)" in result.output
+    monkeypatch.setenv("LADE_ORT_INCLUDE", str(tmp_path))
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "which holds no onnxruntime_cxx_api.h" in result.stderr
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt", "--precision",
+                                       "int4", "--kernels", "lade", "--out", str(tmp_path / "o")])
+    assert result.stderr.strip().startswith("error: --kernels lade makes ONNX Runtime custom operators")
+
+
+def test_check_reports_a_quantized_graph_without_holding_it_to_float32_bounds(stories_lade):
+    result = CliRunner().invoke(main, ["check", str(stories_lade)])
+    assert result.exit_code == 0, result.output
+    assert "n/a (quantized)" in result.output and "check passed" in result.output
+    assert ("note: int4 graph: its differences from the float32 PyTorch step are its quantization's (build-time "
+            "quality against the float32 graph: top-1 agreement") in result.output
+
+
+def test_torch_backend_and_foreign_libraries_are_refused(tmp_path, stories_lade):
+    import shutil
+
+    result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--backend", "torch"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: --backend torch runs the float32 checkpoint (")
+    assert result.stderr.strip().endswith("not this artifact's int4 weights; use --backend ort")
+    copy = tmp_path / "copy"
+    shutil.copytree(stories_lade, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for name in ("../elsewhere/liblade_kernels.so", "/tmp/liblade_kernels.so", "kernels/unlisted.so"):
+        manifest["graph"]["custom_ops"] = name
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ArtifactError, match=f"graph.custom_ops '{name}' is not a file of the artifact listed in "
+                                                 f"its files"):
+            lade_export.load(copy)

@@ -26,7 +26,8 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
         BackendUnavailableError: the backend or device is missing, or an unknown backend name.
         ModelSourceError: the torch backend cannot load the recorded checkpoint.
         GenerationError: an unknown ``dtype``, or one other than float32 for a backend that
-            computes in the artifact's own precision (ONNX Runtime, TensorRT).
+            computes in the artifact's own precision (ONNX Runtime, TensorRT); the torch
+            backend on an int4/int8 artifact (it would run the float32 checkpoint instead).
     """
     if backend not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {backend!r}: {', '.join(BACKENDS)}")
@@ -45,6 +46,10 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
         return OrtEngine(artifact.onnx_path, artifact.dims, threads=threads, provider="cuda" if device == "cuda" else "cpu",
                          custom_ops=artifact.custom_ops_path)
     if backend == "torch":
+        precision = artifact.manifest["graph"].get("precision", "fp32")
+        if precision in ("int4", "int8"):
+            raise GenerationError(f"--backend torch runs the float32 checkpoint ({artifact.manifest['source']['model']}), "
+                                  f"not this artifact's {precision} weights; use --backend ort")
         import torch
 
         from .torch import TorchEngine

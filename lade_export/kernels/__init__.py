@@ -50,29 +50,54 @@ def header_dir() -> Path:
     """Directory holding ONNX Runtime's C/C++ API headers.
 
     Raises:
-        BackendUnavailableError: neither ``$LADE_ORT_INCLUDE`` nor
-            ``~/.cache/lade-export/ort-include`` holds ``onnxruntime_cxx_api.h``.
+        BackendUnavailableError: ``$LADE_ORT_INCLUDE`` is set and lacks ``onnxruntime_cxx_api.h``,
+            or it is unset and ``~/.cache/lade-export/ort-include`` lacks it.
     """
-    candidates = [Path(os.environ["LADE_ORT_INCLUDE"])] if os.environ.get("LADE_ORT_INCLUDE") else []
-    candidates.append(Path.home() / ".cache" / "lade-export" / "ort-include")
-    for path in candidates:
-        if (path / HEADER).is_file():
-            return path
+    named = os.environ.get("LADE_ORT_INCLUDE")
+    if named:  # a directory the user named is the only one looked at
+        if (Path(named) / HEADER).is_file():
+            return Path(named)
+        raise BackendUnavailableError(f"$LADE_ORT_INCLUDE is {named}, which holds no {HEADER}; point it at ONNX "
+                                      f"Runtime's include/ folder, or unset it and run `bash scripts/fetch_ort_headers.sh`")
+    cached = Path.home() / ".cache" / "lade-export" / "ort-include"
+    if (cached / HEADER).is_file():
+        return cached
     raise BackendUnavailableError(
         f"--kernels lade needs ONNX Runtime's C/C++ headers ({HEADER}) in $LADE_ORT_INCLUDE or "
         f"~/.cache/lade-export/ort-include; run `bash scripts/fetch_ort_headers.sh`")
 
 
 def find_compiler() -> str:
-    """``$CXX``, else g++ or c++ on the PATH.
+    """``$CXX`` (a name on the PATH or a path), else g++ or c++ on the PATH.
 
     Raises:
-        BackendUnavailableError: none found.
+        BackendUnavailableError: ``$CXX`` is not an executable, or no compiler is found.
     """
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    named = os.environ.get("CXX")
+    if named:
+        found = shutil.which(named)
+        if not found:
+            raise BackendUnavailableError(f"$CXX is {named!r}, which is not an executable compiler; unset it or fix it")
+        return found
+    compiler = shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise BackendUnavailableError("--kernels lade compiles a C++ library at build time: no g++ (or $CXX) found")
     return compiler
+
+
+#: CPU features the fast path needs (``/proc/cpuinfo`` flag names).
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
+
+
+def cpu_has_avx512(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU runs the kernels' AVX-512 path (None: unknown, no ``/proc/cpuinfo``).
+    Without it they take a portable path that is about 12× slower (measured on SmolLM2)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    return None if flags is None else all(f in flags for f in AVX512_FLAGS)
 
 
 def require_toolchain() -> None:
@@ -102,7 +127,8 @@ def compile_library(dest: str | Path) -> Path:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-            raise BackendUnavailableError(f"compiling the lade kernels failed: {first}")
+            raise BackendUnavailableError(f"compiling the lade kernels failed: "
+                                          f"{first or f'{compiler} exited with status {done.returncode}, printing nothing'}")
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

@@ -185,8 +185,13 @@ LADE_AVX512 void tiles_avx512(const Job& job, int64_t t0, int64_t t1) {
   }
 }
 
-bool has_avx512() {  // LADE_KERNELS_PORTABLE=1 forces the portable path (tests of it on AVX-512 machines)
-  static const bool yes = !std::getenv("LADE_KERNELS_PORTABLE") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+bool portable_forced() {  // LADE_KERNELS_PORTABLE=1 forces the portable path (tests of it on AVX-512 machines)
+  const char* value = std::getenv("LADE_KERNELS_PORTABLE");
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
+bool has_avx512() {
+  static const bool yes = !portable_forced() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes;
