@@ -267,6 +267,9 @@ def pack_block_lanes(weight: np.ndarray, bits: int, scheme: str) -> dict:
         In tile t, block b, the 64·bits bytes are ``bits`` vectors of 16 little-endian uint32
         lanes; lane i of vector g holds the code of column 16t + i, block element
         j = (32/bits)·g + e, in bits [bits·e, bits·e + bits).
+
+    Raises:
+        ValueError: a block's scale or minimum does not fit float16 (weights beyond ~6e4).
     """
     k, n = weight.shape
     blocks = weight.T.reshape(n, k // LANE_BLOCK, LANE_BLOCK).astype(np.float32)
@@ -284,6 +287,9 @@ def pack_block_lanes(weight: np.ndarray, bits: int, scheme: str) -> dict:
         scale = d.astype(np.float32)
         scale[scale == 0] = 1.0  # a constant block: code 0, w = M
         codes = np.clip(np.round((blocks - m.astype(np.float32)[..., None]) / scale[..., None]), 0, top)
+    if not (np.all(np.isfinite(d)) and np.all(np.isfinite(m))):
+        raise ValueError(f"a [{k}, {n}] weight has blocks beyond float16's range (|w| up to "
+                         f"{float(np.abs(blocks).max()):.3g}); the lade kernels store scales in float16")
     codes = codes.astype(np.uint32)
     tiles = -(-n // LANES)
     pad = tiles * LANES - n

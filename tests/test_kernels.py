@@ -172,14 +172,9 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
 
 
 def test_lookahead_equals_greedy_on_the_lade_engine(stories_lade, reference_greedy):
-    model = lade_export.load(stories_lade)
-    model.decoder.stop_token_ids = frozenset()
-    for case in reference_greedy["cases"]:
-        greedy = model.generate(case["prompt_ids"], max_new_tokens=128, lookahead=False)
-        for profile in ("default-int4", "default", "wide", "paper", "small", "2,3,2,6,2", "0,3,2,6,2"):
-            look = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile)
-            assert look.token_ids == greedy.token_ids, profile
-        assert look.stats.steps < greedy.stats.steps
+    from .test_quantize import assert_lookahead_equals_greedy
+
+    assert_lookahead_equals_greedy(stories_lade, reference_greedy)
 
 
 def test_threads_share_a_lade_engine(stories_lade):

@@ -90,7 +90,13 @@ def test_int4_build_records_its_quantization(stories_int4):
 
 
 def test_lookahead_equals_greedy_on_the_int4_engine(stories_int4, reference_greedy):
-    model = lade_export.load(stories_int4)
+    assert_lookahead_equals_greedy(stories_int4, reference_greedy)
+
+
+def assert_lookahead_equals_greedy(artifact, reference_greedy):
+    """Seven profiles, wide and narrow, on the oracle's prompts: every output is the engine's
+    greedy output (also used by tests/test_kernels.py)."""
+    model = lade_export.load(artifact)
     model.decoder.stop_token_ids = frozenset()
     for case in reference_greedy["cases"]:
         greedy = model.generate(case["prompt_ids"], max_new_tokens=128, lookahead=False)
