@@ -253,7 +253,7 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     staged.parent.mkdir()
     library = None
     if spec.kernels == "lade":
-        from .kernels import LIBRARY, compile_library
+        from .kernels import compile_library
 
         say("compiling the lade kernels")
         library = compile_library(root / LIBRARY)

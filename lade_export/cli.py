@@ -14,6 +14,7 @@ import click
 
 from .errors import ArtifactError, GenerationError, LadeError, ProfileError
 from .backends import BACKENDS, DTYPES
+from .kernels import KERNELS
 from .profile import resolve_profile
 
 
@@ -107,7 +108,7 @@ def _profiles(values) -> list:
 @click.option("--head-bits", type=click.Choice(["0", "4", "8"]), default=None,
               help="int8/int4: bits of the LM head and the tied embedding (0: float32; default 0, or 8 with "
                    "--kernels lade). With ONNX Runtime's kernels 8 is fast only with --accuracy-level 4.")
-@click.option("--kernels", type=click.Choice(["onnxruntime", "lade"]), default="onnxruntime", show_default=True,
+@click.option("--kernels", type=click.Choice(KERNELS), default="onnxruntime", show_default=True,
               help="int8/int4: onnxruntime: ONNX Runtime's MatMulNBits; lade: this project's float32-compute "
                    "block-quantized kernels (exact lookahead, GGML Q4_1/Q8_0 blocks), a library compiled at build "
                    "time into the artifact (needs g++ and ONNX Runtime's headers: scripts/fetch_ort_headers.sh).")
@@ -159,11 +160,9 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     quantization = QuantSpec.for_precision(precision, block_size, accuracy_level,
                                            None if head_bits is None else int(head_bits), kernels) if quantized else None
     if kernels == "lade":
-        from .kernels import require_toolchain
+        from .kernels import cpu_has_avx512, require_toolchain
 
         require_toolchain()  # before any work (and in a dry run): no compiler or headers, nothing is written
-        from .kernels import cpu_has_avx512
-
         if cpu_has_avx512() is False:
             click.echo("note: this CPU lacks AVX-512 (avx512f/bw/vl/dq); the lade kernels take their portable path "
                        "here, about 12x slower than on an AVX-512 CPU: --kernels onnxruntime is faster on it", err=True)

@@ -59,8 +59,8 @@ class KVCache:
         else:
             shape = (1, dims.kv_heads, capacity + step_room, dims.head_dim)
         self.keys = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
-        self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
         self.values = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
+        self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
 
     @property
     def nbytes(self) -> int:

@@ -79,12 +79,11 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ProfileError
+from .kernels import KERNELS
 from .sanitize import drop_unused_initializers
 
 #: ``--precision`` values for ONNX Runtime, and the bits each means.
 ORT_PRECISIONS = {"fp32": None, "int8": 8, "int4": 4}
-#: ``--kernels``: ONNX Runtime's own ``MatMulNBits``, or this project's (:mod:`lade_export.kernels`).
-KERNELS = ("onnxruntime", "lade")
 #: Weights per block of the lade kernels, and output columns per 512-bit vector.
 LANE_BLOCK, LANES = 32, 16
 
@@ -352,6 +351,52 @@ def _quantized_matmul(graph, node, weight: np.ndarray, bits: int, spec: QuantSpe
     return _matmul_nbits(graph, node, weight, bits, spec, scheme)
 
 
+def _block_q_embedding(graph, embed: np.ndarray, head, gather, spec: QuantSpec) -> tuple[list, str]:
+    """Nodes replacing the embedding ``gather`` with the lade kernels: a ``GatherBlockQ`` on
+    the head's own packed tensors when ``head`` (its ``MatMulBlockQ``) is tied, else on a
+    table of its own (added to ``graph``). Returns ``(nodes, description)``."""
+    from onnx import helper, numpy_helper
+
+    from .kernels import DOMAIN
+
+    if head is not None:
+        tables, embedding = list(head.input[1:4]), "shared with the LM head"
+    else:
+        packed = pack_block_lanes(np.ascontiguousarray(embed.T), spec.head_bits, _lade_scheme(spec.head_bits, "absmax"))
+        tables, embedding = ["embedding_lanes_q", "embedding_lanes_d", "embedding_lanes_m"], "own table"
+        graph.initializer.extend(numpy_helper.from_array(packed[key], name) for key, name in zip("qdm", tables))
+    return [helper.make_node("GatherBlockQ", [*tables, gather.input[1]], list(gather.output),
+                             name="embedding_gather_block_q", domain=DOMAIN, N=embed.shape[0])], embedding
+
+
+def _nbits_embedding(graph, embed: np.ndarray, head, gather, spec: QuantSpec) -> tuple[list, str]:
+    """Nodes replacing the embedding ``gather`` with ONNX Runtime's ``GatherBlockQuantized``:
+    on the head's packed weight (through a Reshape) when ``head`` (its ``MatMulNBits``) is
+    tied, else on a table of its own (added to ``graph``). Returns ``(nodes, description)``."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    vocab, hidden = embed.shape
+    kbytes = hidden * spec.head_bits // 8
+    nodes = []
+    if head is not None:
+        shape = helper.make_tensor("embedding_q_shape", onnx.TensorProto.INT64, [2], [vocab, kbytes])
+        graph.initializer.append(shape)
+        nodes.append(helper.make_node("Reshape", [head.input[1], shape.name], ["embedding_q"],
+                                      name="embedding_shares_lm_head"))
+        data, scales, embedding = "embedding_q", head.input[2], "shared with the LM head"
+    else:
+        q = block_quant(np.ascontiguousarray(embed.T), spec.head_bits, spec.block_size, "absmax")
+        graph.initializer.extend([numpy_helper.from_array(q["packed"].reshape(vocab, kbytes), "embedding_q"),
+                                  numpy_helper.from_array(q["scales"].reshape(vocab, hidden // spec.block_size),
+                                                          "embedding_scales")])
+        data, scales, embedding = "embedding_q", "embedding_scales", "own table"
+    nodes.append(helper.make_node("GatherBlockQuantized", [data, gather.input[1], scales], list(gather.output),
+                                  name="embedding_gather_quantized", domain="com.microsoft", gather_axis=0,
+                                  quantize_axis=1, block_size=spec.block_size, bits=spec.head_bits))
+    return nodes, embedding
+
+
 def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed_name: str = "embed_tokens.weight",
                         tied_transpose: str = "lm_head_tied_transpose") -> dict:
     """Write a weight-only quantized copy of the float32 step graph ``src`` to ``dst``.
@@ -415,38 +460,12 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         raise ValueError(f"the step graph has no Gather on {embed_name}")
     if not spec.head_bits:
         gather = None  # float32 embedding: nothing to replace
-    kbytes = hidden * spec.head_bits // 8
-    blocks = hidden // spec.block_size
-    extra, gather_done = [], False
     if gather is None:
-        embedding = "float32"
+        extra, embedding = [], "float32"
     elif spec.kernels == "lade":
-        from .kernels import DOMAIN
-
-        if head is not None:  # tied: the gather reads the head's own packed tensors
-            tables, embedding = list(head.input[1:4]), "shared with the LM head"
-        else:
-            packed = pack_block_lanes(np.ascontiguousarray(embed.T), spec.head_bits, _lade_scheme(spec.head_bits, "absmax"))
-            tables, embedding = ["embedding_lanes_q", "embedding_lanes_d", "embedding_lanes_m"], "own table"
-            graph.initializer.extend(numpy_helper.from_array(packed[key], name) for key, name in zip("qdm", tables))
-        extra.append(helper.make_node("GatherBlockQ", [*tables, gather.input[1]], list(gather.output),
-                                      name="embedding_gather_block_q", domain=DOMAIN, N=vocab))
-        gather_done = True
-    elif head is not None:  # tied: the gather reads the head's packed weight
-        shape = helper.make_tensor("embedding_q_shape", onnx.TensorProto.INT64, [2], [vocab, kbytes])
-        graph.initializer.append(shape)
-        extra.append(helper.make_node("Reshape", [head.input[1], shape.name], ["embedding_q"],
-                                      name="embedding_shares_lm_head"))
-        data, scales, embedding = "embedding_q", head.input[2], "shared with the LM head"
+        extra, embedding = _block_q_embedding(graph, embed, head, gather, spec)
     else:
-        q = block_quant(np.ascontiguousarray(embed.T), spec.head_bits, spec.block_size, "absmax")
-        graph.initializer.extend([numpy_helper.from_array(q["packed"].reshape(vocab, kbytes), "embedding_q"),
-                                  numpy_helper.from_array(q["scales"].reshape(vocab, blocks), "embedding_scales")])
-        data, scales, embedding = "embedding_q", "embedding_scales", "own table"
-    if gather is not None and not gather_done:
-        extra.append(helper.make_node("GatherBlockQuantized", [data, gather.input[1], scales], list(gather.output),
-                                      name="embedding_gather_quantized", domain="com.microsoft", gather_axis=0,
-                                      quantize_axis=1, block_size=spec.block_size, bits=spec.head_bits))
+        extra, embedding = _nbits_embedding(graph, embed, head, gather, spec)
     if gather is not None:
         position = list(graph.node).index(gather)
         graph.node.remove(gather)

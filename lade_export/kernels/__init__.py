@@ -38,6 +38,8 @@ from pathlib import Path
 
 from ..errors import BackendUnavailableError
 
+#: ``--kernels``: ONNX Runtime's own ``MatMulNBits``, or this project's.
+KERNELS = ("onnxruntime", "lade")
 #: File name of the compiled library inside an artifact (``graph.custom_ops`` in the manifest).
 LIBRARY = "kernels/liblade_kernels.so"
 #: The custom-op domain of the operators.

@@ -68,14 +68,21 @@ float half_to_float(uint16_t h) {
 // M = −128·D). So a code is masked out of its lane in place — (v & (mask << bits·e)) is code·2^(bits·e),
 // exact in float32 — and multiplied by x_j·2^(−bits·e), which is exact too: the product equals
 // code·x_j bit for bit, without a shift or a shuffle per weight.
-struct Job {
-  const float* xs;     // [rows, K]: x_j · 2^(−bits·e(j))
-  const float* sums;   // [rows, K/32]: Σ_j x_j per block
-  int64_t rows, k, n, tiles;
+// A packed weight: Q, D, M (inputs 1-3 of MatMulBlockQ, 0-2 of GatherBlockQ), N output
+// columns, and the bits implied by Q's last dimension.
+struct Packed {
   int bits;
+  int64_t tiles, blocks, n;
   const uint8_t* q;    // [N/16, K/32, bits·64]
   const uint16_t* d;   // float16 [N/16, K/32, 16]
   const uint16_t* m;   // float16 [N/16, K/32, 16]
+};
+
+// One matrix product: the packed weight and the rows of X it multiplies.
+struct Job : Packed {
+  const float* xs;     // [rows, K]: x_j · 2^(−bits·e(j))
+  const float* sums;   // [rows, K/32]: Σ_j x_j per block
+  int64_t rows, k;
   float* y;            // [rows, N]
   int64_t chunk;       // tiles per parallel task
 };
@@ -160,27 +167,24 @@ LADE_AVX512 void tile_avx512(const Job& job, int64_t tile, int64_t row) {
   }
 }
 
+// Rows [row, row + R) over tiles [t0, t1): T tiles at a time, then the rest one by one.
+template <int BITS, int R, int T>
+LADE_AVX512 void sweep_avx512(const Job& job, int64_t t0, int64_t t1, int64_t row) {
+  int64_t t = t0;
+  for (; t + T <= t1; t += T) tile_avx512<BITS, R, T>(job, t, row);
+  for (; t < t1; ++t) tile_avx512<BITS, R, 1>(job, t, row);
+}
+
+// Rows in groups of 4 (fewer for the last group); one row takes 4 tiles at a time, 2-3 rows
+// 2 tiles (enough independent FMA chains without spilling registers).
 template <int BITS>
 LADE_AVX512 void tiles_avx512(const Job& job, int64_t t0, int64_t t1) {
-  int64_t row = 0;
-  for (; row < job.rows;) {
-    const int64_t left = job.rows - row;
-    int64_t t = t0;
-    if (left == 1) {
-      for (; t + 4 <= t1; t += 4) tile_avx512<BITS, 1, 4>(job, t, row);
-      for (; t < t1; ++t) tile_avx512<BITS, 1, 1>(job, t, row);
-      row += 1;
-    } else if (left == 2) {
-      for (; t + 2 <= t1; t += 2) tile_avx512<BITS, 2, 2>(job, t, row);
-      for (; t < t1; ++t) tile_avx512<BITS, 2, 1>(job, t, row);
-      row += 2;
-    } else if (left == 3) {
-      for (; t + 2 <= t1; t += 2) tile_avx512<BITS, 3, 2>(job, t, row);
-      for (; t < t1; ++t) tile_avx512<BITS, 3, 1>(job, t, row);
-      row += 3;
-    } else {
-      for (; t < t1; ++t) tile_avx512<BITS, 4, 1>(job, t, row);
-      row += 4;
+  for (int64_t row = 0; row < job.rows;) {
+    switch (std::min<int64_t>(job.rows - row, 4)) {
+      case 1: sweep_avx512<BITS, 1, 4>(job, t0, t1, row); row += 1; break;
+      case 2: sweep_avx512<BITS, 2, 2>(job, t0, t1, row); row += 2; break;
+      case 3: sweep_avx512<BITS, 3, 2>(job, t0, t1, row); row += 3; break;
+      default: sweep_avx512<BITS, 4, 1>(job, t0, t1, row); row += 4; break;
     }
   }
 }
@@ -221,16 +225,6 @@ std::string dims(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// Inputs 1-3 (Q, D, M) as the packed layout above; attribute N (output columns) and the
-// bits implied by Q's last dimension. Returns the bits, the tiles and the blocks.
-struct Packed {
-  int bits;
-  int64_t tiles, blocks, n;
-  const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* m;
-};
-
 Packed read_packed(Ort::KernelContext& ctx, size_t first, int64_t n) {
   auto q = ctx.GetInput(first), d = ctx.GetInput(first + 1), m = ctx.GetInput(first + 2);
   const auto qs = shape_of(q), ds = shape_of(d), ms = shape_of(m);
@@ -260,15 +254,10 @@ struct MatMulKernel {
       if (xs.empty() || xs.back() != p.blocks * kBlock)
         throw Error("X " + dims(xs) + " does not end in K = " + std::to_string(p.blocks * kBlock));
       Job job{};
+      static_cast<Packed&>(job) = p;
       job.k = xs.back();
-      job.n = p.n;
-      job.tiles = p.tiles;
-      job.bits = p.bits;
       job.rows = 1;
       for (size_t i = 0; i + 1 < xs.size(); ++i) job.rows *= xs[i];
-      job.q = p.q;
-      job.d = p.d;
-      job.m = p.m;
       std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
       ys.push_back(job.n);
       auto y = ctx.GetOutput(0, ys);
