@@ -340,3 +340,20 @@ class Artifact:
             raise ArtifactError(f"{self.root / 'manifest.json'}: default_profile {name!r} is not one of its profiles "
                                 f"({', '.join(p.name for p in profiles) or 'none'}); fix the manifest or rebuild")
         return profiles[0] if profiles else None
+
+
+def checksum_errors(artifact: Artifact) -> list[str]:
+    """One message per file that is missing, of another size than the manifest records
+    (``"NAME: 1,000,000 bytes on disk, the manifest says 115,635,456"``; no hash is computed
+    then) or whose sha256 differs from the manifest."""
+    errors = []
+    for name, entry in artifact.manifest.get("files", {}).items():
+        path = artifact.root / name
+        size = path.stat().st_size if path.is_file() else None
+        if size is None:
+            errors.append(f"{name}: missing")
+        elif size != entry["bytes"]:
+            errors.append(f"{name}: {size:,} bytes on disk, the manifest says {entry['bytes']:,}")
+        elif sha256_file(path) != entry["sha256"]:
+            errors.append(f"{name}: sha256 does not match the manifest")
+    return errors

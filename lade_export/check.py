@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .artifact import Artifact, sha256_file
+from .artifact import Artifact, checksum_errors  # noqa: F401  (checksum_errors: part of this module's API)
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL
 
 
@@ -60,23 +60,6 @@ class CheckReport:
                 msgs.append(f"{e.runner}: output {e.output} differs from PyTorch at {e.case}: max |Δ| {e.max_abs:.3g}, "
                             f"relative {e.rel:.3g}")
         return msgs
-
-
-def checksum_errors(artifact: Artifact) -> list[str]:
-    """One message per file that is missing, of another size than the manifest records
-    (``"NAME: 1,000,000 bytes on disk, the manifest says 115,635,456"``; no hash is computed
-    then) or whose sha256 differs from the manifest."""
-    errors = []
-    for name, entry in artifact.manifest.get("files", {}).items():
-        path = artifact.root / name
-        size = path.stat().st_size if path.is_file() else None
-        if size is None:
-            errors.append(f"{name}: missing")
-        elif size != entry["bytes"]:
-            errors.append(f"{name}: {size:,} bytes on disk, the manifest says {entry['bytes']:,}")
-        elif sha256_file(path) != entry["sha256"]:
-            errors.append(f"{name}: sha256 does not match the manifest")
-    return errors
 
 
 def _input_metadata(input_specs):

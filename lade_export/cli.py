@@ -647,7 +647,7 @@ def inspect(artifact_dir, as_json):
     from rich.markup import escape
     from rich.table import Table
 
-    from .artifact import Artifact
+    from .artifact import Artifact, checksum_errors  # not .check: that one needs the export extra
 
     artifact = Artifact(artifact_dir, verify=False)
     m = artifact.manifest
@@ -713,8 +713,6 @@ def inspect(artifact_dir, as_json):
         for c in reference["cases"]:
             ref.add_row(c["label"], str(c["tokens"]), str(c["rows"]), f"{c['max_abs']:.2e}", str(c["argmax_equal"]))
         console.print(ref)
-    from .check import checksum_errors
-
     bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))
     for name, e in m["files"].items():
         state = f"[red]{escape(bad[name])}[/]" if name in bad else "ok"
