@@ -19,6 +19,8 @@ one session and releases the GIL while it runs. Nothing here imports PyTorch.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import threading
 import time
 from collections import Counter
@@ -30,7 +32,7 @@ from .feeds import causal_feeds
 from .kv_cache import KVCache
 from .lookahead import StopRules, new_state
 from .profile import LookaheadProfile
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_real_number, shown_value
 from .specs import ModelDims
 
 
@@ -185,16 +187,16 @@ class Decoder:
         """Refuse a request that cannot be served, before any work.
 
         Raises:
-            GenerationError: empty prompt, ``max_new_tokens`` not an integer ≥ 1, or
-                prompt + new tokens beyond the context.
+            GenerationError: empty prompt, ``max_new_tokens`` not an integer ≥ 1 (Python's
+                or numpy's), or prompt + new tokens beyond the context.
             ProfileError: the profile's largest step does not fit the context, the
                 engine's shapes do not cover it (TensorRT engines), or lookahead would not
                 be exact on this engine.
         """
         if prompt_len < 1:
             raise GenerationError("empty prompt: give at least one token (the tokenizer's BOS counts)")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be an integer ≥ 1, got {shown_value(max_new_tokens)}")
         if prompt_len + max_new_tokens > self.max_context:
             raise GenerationError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
@@ -234,13 +236,13 @@ class Decoder:
             prompt_ids: int token ids, at least one (the BOS token counts).
             max_new_tokens: ≥ 1.
             profile: a lookahead profile, or None (or a disabled one) for plain greedy decoding.
-            stop: stop strings (need a tokenizer): generation ends as soon as the text
-                contains one, even across tokens or inside a block accepted in one step;
-                the text is cut before it.
+            stop: stop strings (need a tokenizer; none may be empty): generation ends as
+                soon as the text contains one, even across tokens or inside a block
+                accepted in one step; the text is cut before it.
             cancel: an object with ``is_set()`` (e.g. ``threading.Event``); once set, the
                 request stops before its next step (``stop_reason`` ``"cancelled"``).
-            timeout_s: stop at the first step boundary after this many seconds
-                (``stop_reason`` ``"timeout"``).
+            timeout_s: a finite number of seconds > 0 (or None: no limit); the request stops
+                at the first step boundary after it (``stop_reason`` ``"timeout"``).
             sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
                 greedy). Lookahead with sampling keeps plain sampling's distribution.
 
@@ -251,10 +253,16 @@ class Decoder:
 
         Raises:
             GenerationError, ProfileError: see :meth:`check_request` (before any work);
-                GenerationError also for a prompt token id outside ``[0, vocab)``.
+                GenerationError also for a prompt token id outside ``[0, vocab)``, an empty
+                stop string, or a ``timeout_s`` that is not a finite number > 0.
         """
         prompt = [int(t) for t in prompt_ids]
         self.check_request(len(prompt), max_new_tokens, profile)
+        max_new_tokens = int(max_new_tokens)
+        if timeout_s is not None and not (is_real_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise GenerationError(f"timeout_s must be a finite number of seconds > 0, got {shown_value(timeout_s)}")
+        if any(s == "" for s in stop or ()):
+            raise GenerationError("stop strings must not be empty")
         outside = next((t for t in prompt if not 0 <= t < self.dims.vocab), None)
         if outside is not None:
             raise GenerationError(f"token id {outside} is outside the vocabulary (0..{self.dims.vocab - 1})")

@@ -6,7 +6,8 @@ Filtering follows transformers' logits processors, in their order: temperature
 (``logits / T``), then top-k (keep the k largest logits, ties at the k-th kept), then
 top-p (nucleus sampling, Holtzman et al. 2020, arXiv 1904.09751: sorted by probability,
 drop the least likely tokens whose cumulative mass is ≤ 1 − p, always keeping the most
-likely one), then softmax. Temperature 0 means greedy decoding.
+likely one), then softmax. Temperature 0 means greedy decoding, and so does any
+temperature below :data:`GREEDY_BELOW` (1e-5).
 
 Verification (:class:`SamplingRule`): lookahead's verification candidates are
 deterministic drafts — n-grams from the pool and the history lookup, i.e. proposal
@@ -31,29 +32,57 @@ to its trie node, where the same rule runs on the model's distribution after it.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
 from .errors import GenerationError
+
+#: Temperatures in (0, GREEDY_BELOW) are greedy decoding: at such a temperature sampling is
+#: argmax but for ties, and below ~1e-300 ``logits / temperature`` overflows to infinity.
+GREEDY_BELOW = 1e-5
 
 #: Top-p looks at this many most likely tokens first and sorts the whole vocabulary only
 #: when their mass is not enough to decide the nucleus (exact either way).
 _NUCLEUS_PREFETCH = 1024
 
 
+def is_real_number(value) -> bool:
+    """A Python or numpy real number, not a boolean."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def is_integer_number(value) -> bool:
+    """A Python or numpy integer, not a boolean."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def shown_value(value) -> str:
+    """A refused value as the message shows it: numpy numbers as plain ones (``0.5``, not
+    ``np.float32(0.5)``)."""
+    if isinstance(value, np.generic):
+        return repr(value.item())
+    return repr(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How a token is chosen from the model's logits.
 
+    Numbers may be Python's or numpy's (``np.float32(0.7)``, ``np.int64(40)``); they are
+    kept as Python ``float`` / ``int``. Booleans are not numbers here.
+
     Attributes:
-        temperature: > 0 samples from ``softmax(logits / temperature)``; 0 is greedy decoding.
-        top_k: keep only the k most likely tokens (0: off).
-        top_p: keep the smallest set of most likely tokens whose mass reaches p (1.0: off).
-        seed: seed of the request's random generator (None: fresh entropy); the same seed
-            on the same engine and backend gives the same output.
+        temperature: float ≥ 0. At or above :data:`GREEDY_BELOW` (1e-5) it samples from
+            ``softmax(logits / temperature)``; 0, and any temperature below 1e-5, is greedy
+            decoding.
+        top_k: int, keep only the k most likely tokens (0: off).
+        top_p: float, keep the smallest set of most likely tokens whose mass reaches p (1.0: off).
+        seed: int or None, seed of the request's random generator (None: fresh entropy);
+            the same seed on the same engine and backend gives the same output.
 
     Raises:
-        GenerationError: on construction, a value out of range.
+        GenerationError: on construction, a value out of range or of another type.
     """
 
     temperature: float = 0.0
@@ -63,20 +92,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t < 0:
-            raise GenerationError(f"temperature must be a number ≥ 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise GenerationError(f"top_k must be an integer ≥ 0 (0: off), got {self.top_k!r}")
+        if not is_real_number(t) or not np.isfinite(t) or t < 0:
+            raise GenerationError(f"temperature must be a number ≥ 0, got {shown_value(t)}")
+        if not is_integer_number(self.top_k) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an integer ≥ 0 (0: off), got {shown_value(self.top_k)}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise GenerationError(f"seed must be an integer ≥ 0, got {self.seed!r}")
+        if not is_real_number(p) or not 0 < p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {shown_value(p)}")
+        if self.seed is not None and (not is_integer_number(self.seed) or self.seed < 0):
+            raise GenerationError(f"seed must be an integer ≥ 0, got {shown_value(self.seed)}")
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, kind(value))  # numpy numbers become Python's
 
     @property
     def greedy(self) -> bool:
-        """True when this is greedy decoding (temperature 0)."""
-        return self.temperature == 0
+        """True when this is greedy decoding (temperature 0 or below :data:`GREEDY_BELOW`)."""
+        return self.temperature < GREEDY_BELOW
 
     def describe(self) -> str:
         """A short label, e.g. ``sampling T=0.8 top-p 0.9 seed 3`` or ``greedy``."""
@@ -104,14 +137,23 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
     Returns:
         float64 [vocab], non-negative, summing to 1; zero outside the kept tokens.
+
+    Raises:
+        GenerationError: the logits hold NaN or +infinity (or ``logits / temperature``
+            overflows, for a temperature far below :data:`GREEDY_BELOW`): no NaN reaches a
+            token choice.
     """
-    x = np.asarray(logits, dtype=np.float64) / params.temperature
-    vocab = x.shape[0]
-    if 0 < params.top_k < vocab:
-        kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
-        x[x < kth] = -np.inf
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.asarray(logits, dtype=np.float64) / params.temperature
+        vocab = x.shape[0]
+        if 0 < params.top_k < vocab:
+            kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
+            x[x < kth] = -np.inf
+        probs = np.exp(x - x.max())
+    total = probs.sum()
+    if not (np.isfinite(total) and total > 0):
+        raise GenerationError("the model's logits are not finite (NaN or infinity); no token can be sampled from them")
+    probs /= total
     if params.top_p < 1.0:
         probs[_outside_nucleus(probs, params.top_p)] = 0.0
         probs /= probs.sum()
@@ -142,8 +184,14 @@ def _outside_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One token drawn from ``probs`` (float [vocab], non-negative, not necessarily
-    normalized): inverse CDF of one uniform draw; zero-probability tokens are never drawn."""
+    normalized): inverse CDF of one uniform draw; zero-probability tokens are never drawn.
+
+    Raises:
+        GenerationError: the total is not a finite positive number (NaN, or all zero).
+    """
     cum = np.cumsum(probs)
+    if not (np.isfinite(cum[-1]) and cum[-1] > 0):
+        raise GenerationError("no token has a finite positive probability; cannot sample")
     return int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
 
 

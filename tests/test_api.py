@@ -162,7 +162,7 @@ def test_closing_a_stream_early_ends_the_request(model, reference_greedy):
     event.set()
     cancelled = model.generate(case["prompt_ids"], max_new_tokens=100, cancel=event)
     assert cancelled.stop_reason == "cancelled" and cancelled.token_ids == [] and cancelled.stats.steps == 0
-    timed_out = model.generate(case["prompt_ids"], max_new_tokens=100, timeout_s=0.0)
+    timed_out = model.generate(case["prompt_ids"], max_new_tokens=100, timeout_s=1e-9)  # 0 is refused
     assert timed_out.stop_reason == "timeout" and timed_out.token_ids == []
 
 

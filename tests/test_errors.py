@@ -270,6 +270,8 @@ CASES = [
     ("generate-check-greedy-sampling", lambda t, s, a: ["generate", a, "--prompt", "hi", "--check-greedy",
                                                          "--temperature", 0.7], 2,
      "--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0"),
+    ("generate-stop-empty", lambda t, s, a: ["generate", a, "--prompt", "hi", "--stop", ""], 2,
+     "stop strings must not be empty"),
     ("generate-bad-top-p", lambda t, s, a: ["generate", a, "--prompt", "hi", "--temperature", 1, "--top-p", 0], 2,
      "top_p must be in (0, 1], got 0.0"),
     ("compare-no-record-fits", lambda t, s, a: ["compare", a, "--dataset", _jsonl(t, json.dumps({"prompt": "dog " * 299})),
@@ -425,7 +427,9 @@ def test_every_documented_row_has_a_test():
                                    "generate-torch-quantized", "check-quantized", "generate-empty-prompt", "build-force", "artifact-weights-checksum",
                                    "build-interrupted", "build-concurrent", "build-rope-capped",
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
-                                   "generate-profile-wider-than-step-room", "api-token-id-outside-vocab"} | \
+                                   "generate-profile-wider-than-step-room", "api-token-id-outside-vocab",
+                                   "generate-tiny-temperature", "sampling-non-finite-logits", "api-timeout-not-positive",
+                                   "api-numpy-numbers"} | \
         set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids
