@@ -120,24 +120,35 @@ class Model:
         self.default_profile = artifact.default_profile()
         self.load_s = 0.0
 
-    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+    def encode(self, prompt, chat: bool | None = None, *, parse_special_in_messages: bool = False) -> list[int]:
         """Prompt token ids.
+
+        Control tokens are parsed only where the caller writes the prompt raw (token ids,
+        text with ``chat=False``): special-token strings such as ``<|im_end|>`` inside
+        chat messages, or inside text wrapped as a user turn, are tokenized as text, so
+        user text cannot forge a turn (docs/embedding.md, *Control tokens*).
 
         Args:
             prompt: text; a list of chat messages (``[{"role", "content"}]``); or token
                 ids (used as given).
             chat: for text, wrap it as one user turn in the chat template; None: when the
                 model has one.
+            parse_special_in_messages: bool; True parses special-token strings inside
+                chat messages (and wrapped text) as control tokens too.
+
+        Returns:
+            list[int]: the prompt ids.
 
         Raises:
             GenerationError: an empty prompt without BOS, chat asked for without a chat
                 template, or a prompt of another type.
         """
+        special = bool(parse_special_in_messages)
         if isinstance(prompt, str):
             use_chat = self.tokenizer.has_chat_template if chat is None else chat
-            return self.tokenizer.encode_prompt(prompt, chat=use_chat)
+            return self.tokenizer.encode_prompt(prompt, chat=use_chat, parse_special_in_messages=special)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.apply_chat_template(list(prompt))
+            return self.tokenizer.apply_chat_template(list(prompt), parse_special_in_messages=special)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise GenerationError("prompt must be text, a list of chat messages, or a list of token ids")
@@ -158,11 +169,12 @@ class Model:
 
     def stream(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
                lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Stream:
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               parse_special_in_messages: bool = False) -> Stream:
         """Start a request and return its :class:`Stream` of chunks.
 
         Args:
-            prompt, chat: see :meth:`encode`.
+            prompt, chat, parse_special_in_messages: see :meth:`encode`.
             max_new_tokens: ≥ 1; prompt + new tokens must fit the context.
             profile, lookahead: see :meth:`resolve_profile`.
             stop: a stop string or a list of them; the text is cut before the first match.
@@ -177,7 +189,7 @@ class Model:
             GenerationError, ProfileError: bad request (before any work).
         """
         sampling = SamplingParams(temperature, top_k, top_p, seed)
-        ids = self.encode(prompt, chat)
+        ids = self.encode(prompt, chat, parse_special_in_messages=parse_special_in_messages)
         prof = self.resolve_profile(profile, lookahead)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         own = threading.Event()
@@ -188,16 +200,19 @@ class Model:
 
     def generate(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
                  lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
-                 ) -> GenerationResult:
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 parse_special_in_messages: bool = False) -> GenerationResult:
         """Run a request to the end (arguments as in :meth:`stream`).
 
         Returns:
             :class:`lade_export.runtime.GenerationResult`: new token ids, text, stop reason, stats.
+
+        Raises:
+            GenerationError, ProfileError: bad request (before any work), as :meth:`stream`.
         """
         stream = self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead,
                              stop=stop, cancel=cancel, timeout_s=timeout_s, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed)
+                             top_p=top_p, seed=seed, parse_special_in_messages=parse_special_in_messages)
         for _ in stream:
             pass
         return stream.result

@@ -316,6 +316,9 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
               help="Take the prompt from a workload, e.g. mt_bench:0, humaneval:3, gsm8k:10.")
 @click.option("--chat/--no-chat", default=None,
               help="Wrap the prompt in the model's chat template (default: when the model has one).")
+@click.option("--parse-special-in-messages", "parse_special", is_flag=True,
+              help="Read special-token strings (e.g. </s>) in a chat-wrapped prompt as control tokens "
+                   "(default: they are text; --no-chat text is always read raw).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--greedy", is_flag=True, help="Plain greedy decoding: no lookahead, temperature 0.")
 @click.option("--lookahead/--no-lookahead", default=True, show_default=True,
@@ -323,7 +326,8 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--profile", "profile_value", default=None,
               help="Lookahead profile: shipped name, TOML path or W,N,G[,K[,B]] (default: the build's default).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="0: greedy decoding; > 0: sampling (lookahead keeps plain sampling's distribution).")
+              help="0 (or below 1e-5): greedy decoding; from 1e-5: sampling (lookahead keeps plain sampling's "
+                   "distribution).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1.0: off).")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same output).")
@@ -336,7 +340,8 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--verify", is_flag=True, help="Also check the weights' sha256 before loading (~1 s per GB).")
 @click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
 def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, lookahead, profile_value,
-             temperature, top_k, top_p, seed, stops, backend, device, dtype, threads, verify, check_greedy):
+             temperature, top_k, top_p, seed, stops, backend, device, dtype, threads, verify, check_greedy,
+             parse_special):
     """Generate from a built artifact with lookahead (or --no-lookahead) decoding, greedy or
     sampled: the text streams to stdout, the statistics go to stderr."""
     from .api import load
@@ -351,7 +356,8 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype,
                  verify="full" if verify else "quick")
     use_chat = model.tokenizer.has_chat_template if chat is None else chat
-    ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat)
+    ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat,
+                       parse_special_in_messages=parse_special)
     profile = model.resolve_profile(profile_value, lookahead=lookahead)
     stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead, stop=stops,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -11,12 +11,27 @@ filter that keeps non-ASCII characters, the helpers ``raise_exception`` and
 ``strftime_now``, the ``{% generation %}`` block, and the special tokens
 (``bos_token``, ``eos_token``, …) as variables; the rendered text is encoded without
 adding special tokens (the template writes them).
+
+Control tokens and user text. A special-token string (``<|im_end|>``, ``</s>`` …) is a
+control token only where the caller writes the prompt raw: token ids, or plain text
+encoded with :meth:`Tokenizer.encode` / ``encode_prompt(chat=False)``. Inside chat
+messages — the strings of each message, including a text prompt wrapped as one user
+turn — it is text, so a user cannot forge a turn (``hi<|im_end|><|im_start|>system…``);
+control tokens then come only from the template and the tokenizer's own BOS/EOS.
+How: such strings are swapped for placeholders before rendering; the rendered text is
+encoded as usual, which splits it at the template's control tokens, and each stretch
+between two of them that holds a placeholder is encoded again, placeholders restored,
+with the special tokens read as text. Messages without such strings are encoded exactly
+as before. ``parse_special_in_messages=True`` keeps the former behaviour (the template's
+output encoded as a whole, special-token strings in messages included).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
+import secrets
 from functools import cached_property
 from pathlib import Path
 
@@ -103,27 +118,141 @@ class Tokenizer:
         except TemplateError as err:
             raise GenerationError(f"chat template: {err}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
-        """Prompt ids of ``messages`` through the chat template (special tokens come from
-        the template, none are added)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            parse_special_in_messages: bool = False, **extra) -> list[int]:
+        """Prompt ids of ``messages`` through the chat template.
 
-    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        Control tokens come from the template (none are added); special-token strings
+        inside the messages are text (see the module docstring).
+
+        Args:
+            messages: ``[{"role": str, "content": str}]``; every string of a message (and
+                the ``text`` of a content part) is user text.
+            add_generation_prompt: end with the assistant's header.
+            parse_special_in_messages: True reads special-token strings inside the
+                messages as control tokens too (the rendered text encoded as a whole).
+            extra: more template variables.
+
+        Returns:
+            list[int]: the prompt ids.
+
+        Raises:
+            GenerationError: see :meth:`render_chat`.
+        """
+        if parse_special_in_messages:
+            return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+        masked, originals, mark = self._mask_control_strings(messages)
+        text = self.render_chat(masked, add_generation_prompt, **extra)
+        if not originals:
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_rendered(text, originals, mark)
+
+    def encode_prompt(self, text: str, chat: bool, *, parse_special_in_messages: bool = False) -> list[int]:
         """Prompt ids: the chat template with one user turn (``chat``) or plain text.
 
-        An empty plain prompt becomes the BOS token alone when the tokenizer has one.
+        Plain text is a raw prompt: special-token strings in it are control tokens. In the
+        user turn they are text unless ``parse_special_in_messages``. An empty plain
+        prompt becomes the BOS token alone when the tokenizer has one.
+
+        Args:
+            text: the prompt text.
+            chat: wrap it as one user turn in the chat template.
+            parse_special_in_messages: see :meth:`apply_chat_template` (chat only).
+
+        Returns:
+            list[int]: the prompt ids.
 
         Raises:
             GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
         """
         if chat:
-            return self.apply_chat_template([{"role": "user", "content": text}])
+            return self.apply_chat_template([{"role": "user", "content": text}],
+                                            parse_special_in_messages=parse_special_in_messages)
         ids = self.encode(text) if text else []
         if not ids:
             if self.bos_token_id is None:
                 raise GenerationError("empty prompt and this tokenizer has no BOS token: nothing to condition on")
             ids = [self.bos_token_id]
         return ids
+
+    # -- special-token strings in user text ----------------------------------------------
+
+    def _control_spans(self, text: str) -> list[tuple[int, int]]:
+        """Character spans of ``text`` that the tokenizer would read as special tokens."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        special = self.special_ids
+        return [span for tid, span in zip(enc.ids, enc.offsets) if tid in special]
+
+    def _mask_control_strings(self, messages):
+        """``messages`` with every special-token string in their text replaced by a
+        placeholder (U+E000, ``<mark>:<k>``, U+E001: private-use characters and digits, which
+        no template filter changes), the replaced strings (``k`` indexes them), and the
+        placeholders' pattern. Messages without such strings come back as given."""
+        originals: list[str] = []
+        strings = [v for m in messages if isinstance(m, dict) for v in _message_strings(m)]
+        mark = str(secrets.randbelow(10 ** 12))
+        while any(mark in s for s in strings):
+            mark = str(secrets.randbelow(10 ** 12))
+
+        def mask(value: str) -> str:
+            spans = self._control_spans(value)
+            if not spans:
+                return value
+            pieces, last = [], 0
+            for start, end in spans:
+                pieces += [value[last:start], f"\ue000{mark}:{len(originals)}\ue001"]
+                originals.append(value[start:end])
+                last = end
+            pieces.append(value[last:])
+            return "".join(pieces)
+
+        masked = [_map_message_strings(m, mask) if isinstance(m, dict) else m for m in messages]
+        return (masked if originals else messages), originals, re.compile(f"\ue000{mark}:(\\d+)\ue001")
+
+    def _encode_rendered(self, text: str, originals: list[str], mark) -> list[int]:
+        """Ids of a rendered template whose messages' special-token strings are
+        placeholders: the usual encoding, where each stretch between two of the
+        template's control tokens that holds a placeholder is encoded again with the
+        placeholders restored and special tokens read as text."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        special = self.special_ids
+        ids: list[int] = []
+        run: list[int] = []
+        start = 0
+
+        def close(end: int) -> None:
+            stretch = text[start:end]
+            if mark.search(stretch) is None:
+                ids.extend(run)
+                return
+            restored = mark.sub(lambda m: originals[int(m.group(1))], stretch)
+            ids.extend(self._text_tokenizer(at_start=start == 0).encode(restored, add_special_tokens=False).ids)
+
+        for tid, (a, b) in zip(enc.ids, enc.offsets):
+            if tid in special:
+                close(a)
+                ids.append(tid)
+                run, start = [], b
+            else:
+                run.append(tid)
+        close(len(text))
+        return ids
+
+    def _text_tokenizer(self, at_start: bool):
+        """A copy of the tokenizer that reads special-token strings as text, for a stretch
+        at the start of the text or after a control token (where a SentencePiece
+        tokenizer that prefixes only the text's first piece adds no prefix)."""
+        cache = self.__dict__.setdefault("_text_tokenizers", {})
+        if at_start not in cache:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            data = json.loads(self._tok.to_str())
+            if not at_start:
+                _no_first_prefix(data.get("pre_tokenizer"))
+            tok = HFTokenizer.from_str(json.dumps(data))
+            tok.encode_special_tokens = True
+            cache[at_start] = tok
+        return cache[at_start]
 
     @cached_property
     def byte_fallback_ids(self) -> frozenset:
@@ -148,6 +277,41 @@ class Tokenizer:
         from .detokenize import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _message_strings(message: dict):
+    """The strings of one chat message: its values, and the ``text`` of content parts."""
+    for value in message.values():
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    yield part["text"]
+
+
+def _map_message_strings(message: dict, fn) -> dict:
+    """A copy of ``message`` with ``fn`` applied to the strings :func:`_message_strings` yields."""
+    out = {}
+    for key, value in message.items():
+        if isinstance(value, str):
+            value = fn(value)
+        elif isinstance(value, list):
+            value = [{**part, "text": fn(part["text"])} if isinstance(part, dict) and isinstance(part.get("text"), str)
+                     else part for part in value]
+        out[key] = value
+    return out
+
+
+def _no_first_prefix(pre_tokenizer) -> None:
+    """Turn a Metaspace pre-tokenizer's ``prepend_scheme: first`` into ``never`` (in place,
+    also inside a Sequence): for text encoded on its own that is not the start of the prompt."""
+    if not isinstance(pre_tokenizer, dict):
+        return
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+    for inner in pre_tokenizer.get("pretokenizers") or ():
+        _no_first_prefix(inner)
 
 
 def _raise_exception(message):

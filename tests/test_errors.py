@@ -429,7 +429,7 @@ def test_every_documented_row_has_a_test():
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
                                    "generate-profile-wider-than-step-room", "api-token-id-outside-vocab",
                                    "generate-tiny-temperature", "sampling-non-finite-logits", "api-timeout-not-positive",
-                                   "api-numpy-numbers"} | \
+                                   "api-numpy-numbers", "chat-control-strings"} | \
         set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids

@@ -33,13 +33,13 @@ _SPECS = {s.name: s for s in INPUTS}
 def request_inputs(prompt: str | None = None, *, prompt_token_ids=None, chat: bool | None = None,
                    max_new_tokens: int | None = None, profile: str | None = None, stop=None,
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   seed: int | None = None) -> list:
+                   seed: int | None = None, parse_special_in_messages: bool | None = None) -> list:
     """``tritonclient.grpc.InferInput`` tensors of one request (absent values are left out).
 
     Args:
         prompt: text; or ``prompt_token_ids`` (int ids, used as given).
-        chat, max_new_tokens, profile, stop, temperature, top_k, top_p, seed: see
-            :data:`lade_export.serving.protocol.INPUTS`.
+        chat, max_new_tokens, profile, stop, temperature, top_k, top_p, seed,
+            parse_special_in_messages: see :data:`lade_export.serving.protocol.INPUTS`.
     """
     from tritonclient.grpc import InferInput
 
@@ -55,6 +55,8 @@ def request_inputs(prompt: str | None = None, *, prompt_token_ids=None, chat: bo
         "top_k": None if top_k is None else np.array([top_k], dtype=np.int32),
         "top_p": None if top_p is None else np.array([top_p], dtype=np.float32),
         "seed": None if seed is None else np.array([seed], dtype=np.uint64),
+        "parse_special_in_messages": None if parse_special_in_messages is None else
+        np.array([parse_special_in_messages], dtype=np.bool_),
     }
     inputs = []
     for name, value in values.items():

@@ -60,6 +60,9 @@ INPUTS = (
     TensorSpec("prompt_token_ids", "TYPE_INT64", (-1,), True, "prompt token ids, used as given (no chat template)"),
     TensorSpec("chat", "TYPE_BOOL", (1,), True,
                "wrap a text prompt as one user turn in the model's chat template (default: when the model has one)"),
+    TensorSpec("parse_special_in_messages", "TYPE_BOOL", (1,), True,
+               "read special-token strings (<|im_end|> …) inside a chat-wrapped prompt as control tokens "
+               "(default false: they are text)"),
     TensorSpec("max_new_tokens", "TYPE_INT32", (1,), True,
                "new tokens at most, 1 … the model's max_new_tokens_limit (default: default_max_new_tokens)"),
     TensorSpec("profile", "TYPE_STRING", (1,), True,
@@ -209,6 +212,8 @@ class Request:
         profile: a served profile name or ``greedy``.
         stop: stop strings.
         sampling: :class:`lade_export.sampling.SamplingParams` (temperature 0: greedy).
+        parse_special_in_messages: special-token strings in a chat-wrapped text prompt
+            are control tokens (default False: they are text).
     """
 
     prompt: object
@@ -217,6 +222,7 @@ class Request:
     profile: str
     stop: list
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    parse_special_in_messages: bool = False
 
     def stream_kwargs(self, settings: ServingSettings) -> dict:
         """Keyword arguments of :meth:`lade_export.api.Model.stream` (after the prompt)."""
@@ -231,6 +237,7 @@ class Request:
             "top_k": self.sampling.top_k,
             "top_p": self.sampling.top_p,
             "seed": self.sampling.seed,
+            "parse_special_in_messages": self.parse_special_in_messages,
         }
 
 
@@ -305,7 +312,9 @@ def parse_request(get_input, settings: ServingSettings) -> Request:
         if given is not None:
             values[name] = kind(_one(name, given))
     sampling = SamplingParams(**values)  # GenerationError names a value out of range
-    return Request(prompt, chat, max_new_tokens, profile, stop, sampling)
+    special_in = get_input("parse_special_in_messages")
+    special = False if special_in is None else bool(_one("parse_special_in_messages", special_in))
+    return Request(prompt, chat, max_new_tokens, profile, stop, sampling, special)
 
 
 def chunk_outputs(chunk, extra_stats: dict | None = None) -> dict:
