@@ -15,7 +15,7 @@ import click
 from .errors import ArtifactError, GenerationError, LadeError, ProfileError
 from .backends import BACKENDS, DTYPES
 from .kernels import KERNELS
-from .profile import resolve_profile
+from .profile import bundled_profile_names, bundled_profiles_dir, resolve_profile
 
 
 #: Modules of the optional extras (pyproject.toml) -> the extra that installs them.
@@ -89,8 +89,8 @@ def _profiles(values) -> list:
 @click.option("--model", "source", default="smollm2-135m-instruct", show_default=True,
               help="HF directory, .gguf file, hub id, or smollm2-135m-instruct.")
 @click.option("--profile", "profile_values", multiple=True,
-              help="Profile TOML, shipped name (default, small, paper, gpu-large) or W,N,G[,K[,B]] (repeatable; "
-                   "the first is the artifact's default).")
+              help=f"Profile TOML, shipped name ({', '.join(bundled_profile_names())}) or W,N,G[,K[,B]] "
+                   "(repeatable; the first is the artifact's default).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads for the parity check.")
@@ -313,7 +313,8 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
               help="Read the prompt from a UTF-8 file (a leading byte-order mark is ignored).")
 @click.option("--prompt-from", default=None, metavar="DATASET:INDEX",
-              help="Take the prompt from a workload, e.g. mt_bench:0, humaneval:3, gsm8k:10.")
+              help="Take the prompt from a workload: mt_bench:0, humaneval:3, gsm8k:10 (read from $LADE_DATASETS; "
+                   "docs/datasets.md) or a JSONL file, prompts.jsonl:0.")
 @click.option("--chat/--no-chat", default=None,
               help="Wrap the prompt in the model's chat template (default: when the model has one).")
 @click.option("--parse-special-in-messages", "parse_special", is_flag=True,
@@ -400,7 +401,7 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("--profile", "profile_values", multiple=True, help="Profiles to compare (repeatable; default: the build's).")
 @click.option("--dataset", "datasets", multiple=True, default=("mt_bench",), show_default=True,
-              help="mt_bench, humaneval, gsm8k or a .jsonl path (repeatable).")
+              help="mt_bench, humaneval, gsm8k (read from $LADE_DATASETS) or a .jsonl path (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="Prompts per dataset.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--peer", "peers", multiple=True,
@@ -534,7 +535,8 @@ def _report_skipped(skipped, kept, context: int) -> None:
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.option("--dataset", default="mt_bench", show_default=True, help="mt_bench, humaneval, gsm8k or a .jsonl path.")
+@click.option("--dataset", default="mt_bench", show_default=True,
+              help="mt_bench, humaneval, gsm8k (read from $LADE_DATASETS) or a .jsonl path.")
 @click.option("--limit", type=click.IntRange(min=2), default=8, show_default=True,
               help="Prompts: the first half measures the grid, the rest verifies the winner.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -543,7 +545,8 @@ def _report_skipped(skipped, kept, context: int) -> None:
               help="Skip the first N prompts (tune on prompts a comparison does not use).")
 @click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")
 @click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K[,B]]", help="Grid entries instead of --grid.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("profiles/tuned.toml"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("tuned.toml"), show_default=True,
+              help="Profile TOML to write (not in the shipped profiles folder).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @click.option("--validate-dataset", default=None,
               help="Also verify the winner on another workload (default: humaneval, or mt_bench when tuning on "
@@ -565,6 +568,9 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
 
     if out.is_dir():
         raise ProfileError(f"--out {out} is a folder; give the path of the profile TOML to write")
+    if out.resolve().parent == bundled_profiles_dir().resolve():
+        raise ProfileError(f"--out {out} is in the folder of the shipped profiles ({bundled_profiles_dir()}); write "
+                           "tuned profiles elsewhere (e.g. --out tuned.toml) and pass that path to --profile")
     profiles = grid_profiles(list(candidates) if candidates else grid)
     artifact, tokenizer, decoder = _open_decoder(artifact_dir, backend, "cpu", "float32", threads)
     chat = artifact.has_chat_template

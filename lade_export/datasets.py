@@ -81,13 +81,18 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
         path = datasets_root() / DATASET_FILES[name]
         label = name
         if not path.is_file():
-            raise GenerationError(f"dataset {name} not found at {path}; set LADE_DATASETS to the folder holding "
-                                  "mt_bench/, humaneval/ and gsm8k/")
+            files = list(DATASET_FILES.values())
+            raise GenerationError(f"dataset {name} not found at {path}"
+                                  + (" (from LADE_DATASETS)" if os.environ.get("LADE_DATASETS") else "")
+                                  + f"; set LADE_DATASETS to a folder holding {', '.join(files[:-1])} and {files[-1]} "
+                                  "(docs/datasets.md says where to get them), or give the path of a JSONL file of "
+                                  "prompts instead of the name")
     else:
         path = Path(name)
         label = path.stem
     if not path.is_file():
-        raise GenerationError(f"dataset not found: {path} (use mt_bench, humaneval, gsm8k or a .jsonl path)")
+        raise GenerationError(f"dataset not found: {path} (give mt_bench, humaneval or gsm8k, found through "
+                              "LADE_DATASETS, or the path of a JSONL file with a prompt field per line)")
     prompts = []
     for i, rec in enumerate(_records(path)):
         if limit is not None and len(prompts) >= limit:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -308,7 +309,13 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
     feeds = example_feeds(d, step=3, past=2, kv_layout=layout)
     args = tuple(torch.from_numpy(feeds[s.name]) for s in inputs)
     tmp = path.with_name(path.name + ".raw")
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        # The fused step's eager forward reads its total length as a Python int, which the trace
+        # warns about from this module; the exported op takes that length from its input instead
+        # (the parity checks against PyTorch and transformers hold the graph to account).
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"lade_export\.graph")
+        warnings.filterwarnings("ignore", message="You are using the legacy TorchScript-based ONNX export",
+                                category=DeprecationWarning)  # dynamo=False is chosen (see above)
         torch.onnx.export(
             step_module,
             args,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import importlib.util
 import os
 import json
@@ -95,6 +96,10 @@ def classify_source(source: str) -> tuple[str, Path | str]:
     looks_like_path = source.startswith((".", "/", "~")) or source.endswith(".gguf") or "\\" in source
     if not looks_like_path and _HUB_ID.match(source):
         return "hub", source
+    close = difflib.get_close_matches(source.lower(), [SMOLLM2_NAME], n=1, cutoff=0.6)
+    if not looks_like_path and (close or (len(source) >= 5 and SMOLLM2_NAME.startswith(source.lower()))):
+        raise ModelSourceError(f"model path not found: {source} (did you mean --model {SMOLLM2_NAME}, the built-in "
+                               "SmolLM2-135M-Instruct?)")
     raise ModelSourceError(f"model path not found: {source}")
 
 
@@ -137,16 +142,22 @@ def _stop_ids(model, tokenizer) -> list[int]:
 
 @contextlib.contextmanager
 def _quiet_tqdm():
-    """Silence tqdm progress bars inside the block (``TQDM_DISABLE``), restoring the setting after."""
-    before = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
+    """Silence the progress bar of transformers' GGUF converter inside the block. It calls
+    tqdm itself, past transformers' progress-bar switch, and tqdm reads ``TQDM_DISABLE`` only
+    when it is imported, so the converter module's ``tqdm`` is swapped for one made with
+    ``disable=True`` and restored after."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as converter
+
+    before = getattr(converter, "tqdm", None)
+    if before is not None:
+        converter.tqdm = functools.partial(before, disable=True)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = before
+        if before is not None:
+            converter.tqdm = before
 
 
 def _load_gguf(path: Path):

@@ -27,7 +27,7 @@ that pays on engines whose multi-token steps cost much more than a one-token ste
 with float32 compute). ``N = 1`` is not a lookahead profile; plain greedy decoding is its
 own mode.
 
-TOML layout (``lade_export/profiles/default.toml``, shipped with the package)::
+TOML layout (``profiles/default.toml`` in the repository, shipped with the package)::
 
     name = "default"          # optional, defaults to the file stem
     description = "..."       # optional
@@ -247,8 +247,12 @@ def load_profile(path: str | Path) -> LookaheadProfile:
 
 
 def bundled_profiles_dir() -> Path:
-    """Folder of the profiles shipped with the package (``default``, ``small``, …)."""
-    return Path(__file__).resolve().parent / "profiles"
+    """Folder of the profiles shipped with the package (``default``, ``small``, …): the
+    repository's ``profiles/``, installed as ``lade_export/profiles/`` (pyproject.toml maps
+    it there); in a source checkout or an editable install, ``profiles/`` beside the package."""
+    package = Path(__file__).resolve().parent
+    installed = package / "profiles"
+    return installed if installed.is_dir() else package.parent / "profiles"
 
 
 def bundled_profile_names() -> list[str]:
@@ -257,8 +261,8 @@ def bundled_profile_names() -> list[str]:
 
 
 def resolve_profile(value: str | Path) -> LookaheadProfile:
-    """Accept a TOML path, the name of a shipped profile (``default``, ``small``,
-    ``paper``, ``gpu-large``), or an inline ``W,N,G``, ``W,N,G,K`` or ``W,N,G,K,B``.
+    """Accept a TOML path, the name of a shipped profile (:func:`bundled_profile_names`:
+    ``default``, ``small``, ``paper`` …), or an inline ``W,N,G``, ``W,N,G,K`` or ``W,N,G,K,B``.
 
     Raises:
         ProfileError: nothing matches, or the profile is invalid.

@@ -285,6 +285,13 @@ CASES = [
      "is a build of another model ("),
     ("tune-out-is-folder", lambda t, s, a: ["tune", a, "--out", t], 2,
      "is a folder; give the path of the profile TOML to write"),
+    ("model-did-you-mean", lambda t, s, a: ["build", "--model", "smollm2", "--out", t / "o"], 2,
+     "model path not found: smollm2 (did you mean --model smollm2-135m-instruct, the built-in SmolLM2-135M-Instruct?)"),
+    ("tune-out-shipped", lambda t, s, a: ["tune", a, "--out", ROOT / "profiles" / "tuned.toml"], 2,
+     "write tuned profiles elsewhere (e.g. --out tuned.toml) and pass that path to --profile"),
+    ("dataset-path-not-found", lambda t, s, a: ["generate", a, "--prompt-from", "nope.jsonl:0"], 2,
+     "dataset not found: nope.jsonl (give mt_bench, humaneval or gsm8k, found through LADE_DATASETS, or the path of a "
+     "JSONL file with a prompt field per line)"),
     ("profile-inline-malformed", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "1.5,3,2"], 2,
      "inline profile '1.5,3,2' must be 3 to 5 comma-separated integers: W,N,G[,K[,B]]"),
     ("check-weights-size", lambda t, s, a: ["check", _grow(t, a, "model.onnx")], 2,
@@ -429,7 +436,7 @@ def test_every_documented_row_has_a_test():
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
                                    "generate-profile-wider-than-step-room", "api-token-id-outside-vocab",
                                    "generate-tiny-temperature", "sampling-non-finite-logits", "api-timeout-not-positive",
-                                   "api-numpy-numbers", "chat-control-strings"} | \
+                                   "api-numpy-numbers", "chat-control-strings", "dataset-not-found"} | \
         set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids

@@ -1,0 +1,103 @@
+"""What a user meets on a fresh clone: prompt sets found through LADE_DATASETS or a file
+path (and a one-line answer saying how when they are not there), the shipped profiles in
+the repository's profiles/ folder and in the package, help that lists them all, and build
+output made only of the project's own progress lines."""
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from lade_export.cli import main
+from lade_export.datasets import load_prompts
+from lade_export.errors import GenerationError
+from lade_export.profile import bundled_profile_names, bundled_profiles_dir
+
+from .conftest import tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ["default", "default-int4", "gpu-large", "greedy-only", "paper", "small", "wide"]
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env=env)
+
+
+def test_named_prompt_sets_come_from_lade_datasets(stories_artifact, tmp_path, monkeypatch):
+    (tmp_path / "sets" / "mt_bench").mkdir(parents=True)
+    (tmp_path / "sets" / "mt_bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 7, "turns": ["Once upon a time", "and then?"]}) + "\n")
+    monkeypatch.setenv("LADE_DATASETS", str(tmp_path / "sets"))
+    assert [(p.id, p.text) for p in load_prompts("mt_bench")] == [("7", "Once upon a time")]
+    result = invoke("generate", stories_artifact, "--prompt-from", "mt_bench:0", "--max-new-tokens", 12, "--greedy")
+    direct = invoke("generate", stories_artifact, "--prompt", "Once upon a time", "--max-new-tokens", 12, "--greedy")
+    assert result.exit_code == 0 and result.stdout == direct.stdout != ""
+
+
+def test_a_missing_prompt_set_says_how_to_point_at_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("LADE_DATASETS", str(tmp_path))
+    try:
+        load_prompts("gsm8k")
+    except GenerationError as err:
+        message = str(err)
+    assert message == (f"dataset gsm8k not found at {tmp_path}/gsm8k/test.jsonl (from LADE_DATASETS); set LADE_DATASETS "
+                       "to a folder holding mt_bench/question.jsonl, humaneval/HumanEval.jsonl.gz and gsm8k/test.jsonl "
+                       "(docs/datasets.md says where to get them), or give the path of a JSONL file of prompts instead "
+                       "of the name")
+    doc = (ROOT / "docs" / "errors.md").read_text()
+    assert message.split(" not found at ")[1].split("; ", 1)[1] in doc
+    assert "LADE_DATASETS" in (ROOT / "docs" / "datasets.md").read_text()
+
+
+def test_a_prompt_file_path_works_with_prompt_from(stories_artifact, tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"prompt": "The cat"}) + "\n\n" + json.dumps({"prompt": "Once upon a time"}) + "\n")
+    result = invoke("generate", stories_artifact, "--prompt-from", f"{prompts}:1", "--max-new-tokens", 12, "--greedy")
+    direct = invoke("generate", stories_artifact, "--prompt", "Once upon a time", "--max-new-tokens", 12, "--greedy")
+    assert result.exit_code == 0 and result.stdout == direct.stdout != ""
+    assert "LADE_DATASETS" in invoke("generate", "--help").stdout
+
+
+def test_shipped_profiles_live_in_the_top_level_profiles_folder():
+    assert sorted(p.stem for p in (ROOT / "profiles").glob("*.toml")) == SHIPPED
+    assert not (ROOT / "lade_export" / "profiles").exists()
+    assert bundled_profiles_dir() == ROOT / "profiles" and bundled_profile_names() == SHIPPED
+
+
+def test_pyproject_installs_every_package_and_maps_the_profiles():
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "lade_export").rglob("__init__.py")
+                   if "__pycache__" not in p.parts)
+    assert sorted(tool["packages"]) == sorted(found + ["lade_export.profiles"])
+    assert tool["package-dir"] == {"lade_export.profiles": "profiles"}
+    assert tool["package-data"]["lade_export.profiles"] == ["*.toml"]
+
+
+def test_build_help_lists_every_shipped_profile():
+    text = "".join(invoke("build", "--help").stdout.split())  # help wraps lines, also at hyphens
+    assert f"shippedname({','.join(SHIPPED)})" in text
+
+
+PROGRESS = re.compile(r"^\[ *\d+\.\d+s\] |^built |^note: ")
+
+
+def _build_stderr(source, out):
+    proc = subprocess.run([sys.executable, "-m", "lade_export.cli", "build", "--model", str(source), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=out.parent)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_builds_print_only_their_own_progress_lines(tmp_path, stories_dir):
+    # a GGUF source (transformers' converter draws a tqdm bar) and a fused-attention export
+    # (the trace warns about the fused step's Python int)
+    fused = tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=2)
+    for source, out in ((stories_dir / "llama2c" / "stories260K.gguf", tmp_path / "gguf"), (fused, tmp_path / "fused")):
+        err = _build_stderr(source, out)
+        strays = [line for line in err.splitlines() if not PROGRESS.match(line)]
+        assert strays == [] and "%|" not in err and "Warning" not in err, err
+    assert json.loads((tmp_path / "fused" / "manifest.json").read_text())["graph"]["attention"] == "group-query-attention"
