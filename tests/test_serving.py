@@ -327,6 +327,22 @@ def test_bad_requests_get_error_responses_and_the_server_keeps_serving(stories_s
     assert "is not healthy" not in log and log.count(": loaded ") == 2  # no instance restarted
 
 
+def test_request_values_at_their_edges_on_the_server(stories_server, stories_model):
+    # A raw prompt with a control string and the parse_special_in_messages input (stories has
+    # no chat template: its text is raw either way), a temperature below 1e-5, an empty stop.
+    raw = "Once upon a time</s>"
+    assert stories_model.encode(raw)[-1] == 2
+    requests = [dict(prompt=raw, chat=False, parse_special_in_messages=True, max_new_tokens=8, profile="greedy"),
+                dict(prompt="Once upon a time", temperature=1e-30, seed=1, max_new_tokens=24),
+                dict(prompt="Once upon a time", stop=["", "."])]
+    special, tiny, empty_stop = _run(_gather(stories_server.grpc_url, requests))
+    assert special.error is None
+    assert special.token_ids == stories_model.generate(raw, max_new_tokens=8, lookahead=False).token_ids
+    assert tiny.error is None and tiny.stats["decoding"] == "greedy"
+    assert tiny.token_ids == stories_model.generate("Once upon a time", max_new_tokens=24).token_ids
+    assert empty_stop.error == "stop strings must not be empty" and not empty_stop.token_ids
+
+
 def test_stopping_leaves_nothing_running(stories_server):
     # the last test of the module: stop the shared server and check what it leaves
     stubs = dict(stories_server.stubs)
