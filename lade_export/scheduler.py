@@ -1,0 +1,439 @@
+"""Continuous batching: one scheduler owns the engine and runs every active request's
+next step in one forward pass.
+
+Design (the split of serving engines: the model is shared, the request is state, the
+scheduler owns the step — vLLM's scheduler builds one flattened batch per iteration;
+TensorRT-LLM's in-flight batching packs every request's tokens without padding and
+admits and retires requests between iterations):
+
+* A request is state: its prompt, its decoding state (:mod:`lade_export.lookahead`:
+  greedy or lookahead with its own profile, window, pool and history; greedy or sampling
+  rule with its own random generator), its stop rules and text stream, and its columns of
+  the scheduler's KV pool. The lookahead algorithm does not know it is batched:
+  ``prepare`` / ``update`` are called exactly as the single-request loop calls them.
+* Each iteration (a *pass*) the worker thread takes the next decode step of every active
+  request (round robin from a rotating start) while the rows fit the token budget, then
+  fills what is left of the budget with chunks of new requests' prompts (so a long prompt
+  does not stall running streams), packs them (:mod:`lade_export.packed`), runs one
+  forward pass and hands every request its rows. A pass with no decode step may prefill up
+  to ``prefill_chunk`` tokens. A step wider than the budget runs in a pass of its own.
+* Requests join and leave only between passes. A finished, cancelled, timed-out or closed
+  request leaves and its KV columns are freed; the others' outputs do not change. An
+  error in one request's host work fails that request only; an engine error in a packed
+  pass is retried item by item, each alone, so it fails only the request that causes it.
+* A request whose consumer has ``max_unread`` chunks waiting is skipped (paused) until
+  the consumer reads; it never holds the others back.
+
+Why this formulation (measured, ``bench/batched_step_options.py``, SmolLM2-135M on a
+shared 2-core CPU, 256 cached tokens a request, medians of interleaved rounds):
+
+=========================  =======================  ==========================
+B requests, w rows each     serial / packed pass     packed / per-request bound
+=========================  =======================  ==========================
+fp32, B=2, w=1              1.67–1.99×               0.94–1.13
+fp32, B=4, w=1              2.55–2.97×               1.08–1.36
+int4 (lade), B=4, w=1       1.69×                    1.49
+fp32, B=4, w=11             1.25–1.30×               1.54–1.61
+=========================  =======================  ==========================
+
+``serial`` is today's path (one pass per request), ``packed`` one pass over a shared
+pool, ``bound`` the same rows over a single request's cache (what attention per request
+— one attention node per slot, or a ragged-attention kernel — could at best achieve).
+Batching pays where the weight MatMuls share their reads: greedy-width steps, 1.7–3.0×
+at four requests. The packed pass over a pool needs no new graph input, so every artifact
+built before batches as it is (``onnx-ops`` and ONNX Runtime's ``GroupQueryAttention``,
+whose kernel refuses batch > 1 for a multi-token step with a cache but takes a batch-1
+step of any rows with a block-diagonal mask); its cost is attention over columns a row
+cannot see, which grows with requests × context and reaches 1.5× the bound for four
+wide lookahead steps. Wide steps gain little from batching on two cores (1.25×), so per-
+request attention is left for a later phase; the token budget bounds the waste.
+
+Limits: on a ``group-query-attention`` graph the pool holds at most ``max_context``
+tokens over all requests (the graph's rotary table bounds the key length of a pass).
+``kv_tokens`` bounds the pool; requests wait for room. Width policy under load: a request's profile is used as given (each request's
+steps are exactly its solo steps, which keeps sampled outputs identical to solo runs);
+the only load rule is the token budget, which defers a step that does not fit to the
+next pass.
+
+Exactness: every request's output equals its output alone on the same engine (the
+single-request :class:`~lade_export.runtime.Decoder`), token for token: each row's
+attention sees exactly its own request's columns, and each MatMul row is computed from
+its own input row (the property lookahead's exactness already relies on). Tests:
+``tests/test_scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+
+from .detokenize import TextStream
+from .errors import GenerationError
+from .lookahead import StopRules, new_state
+from .packed import PackedItem, TokenPool, item_outputs, pack
+from .profile import LookaheadProfile
+from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
+from .sampling import SamplingParams
+
+#: Default rows of a pass that holds decode steps (4 requests' 11-token int4 lookahead steps fit).
+TOKEN_BUDGET = 64
+#: Default prompt tokens a pass without decode steps may prefill.
+PREFILL_CHUNK = 512
+#: Default requests in flight at once.
+MAX_BATCH = 8
+#: Default chunks a consumer may leave unread before its request is paused.
+MAX_UNREAD = 64
+
+_CLOSED = object()
+
+
+class _Request:
+    """One request's state inside the scheduler (private: the worker alone touches it)."""
+
+    __slots__ = ("id", "prompt", "state", "text", "stats", "out", "cancel", "deadline", "closed", "t0", "t1",
+                 "prefilled", "cache_len", "layout", "histogram", "engine_s", "max_step", "need", "error")
+
+    def __init__(self, rid, prompt, state, text, stats, cancel, deadline, max_step, need):
+        self.id = rid
+        self.prompt = prompt
+        self.state = state
+        self.text = text
+        self.stats = stats
+        self.out: queue.Queue = queue.Queue()
+        self.cancel = cancel
+        self.deadline = deadline
+        self.closed = threading.Event()
+        self.t0 = time.perf_counter()
+        self.t1 = None  # decode start
+        self.prefilled = 0  # prompt tokens in the pool
+        self.cache_len = 0
+        self.layout = None  # the prepared next step (kept when a pass defers it)
+        self.histogram: Counter = Counter()
+        self.engine_s = 0.0
+        self.max_step = max_step
+        self.need = need  # KV tokens reserved: prompt + max_new_tokens
+        self.error = None
+
+    @property
+    def ready(self) -> bool:
+        """Prefill done: the request decodes."""
+        return self.prefilled >= len(self.prompt) - 1
+
+
+class Scheduler:
+    """Continuous batching of greedy, sampled and lookahead requests on one engine.
+
+    Args:
+        decoder: the :class:`~lade_export.runtime.Decoder` whose engine, stop ids, context,
+            tokenizer and exactness flag the scheduler uses (and whose
+            :meth:`~lade_export.runtime.Decoder.check_request` validates requests).
+        token_budget: rows of a pass that holds decode steps (latency bound; default
+            :data:`TOKEN_BUDGET`). A step wider than it runs alone.
+        prefill_chunk: prompt tokens a pass without decode steps may take (default
+            :data:`PREFILL_CHUNK`).
+        max_batch: requests in flight; later ones wait (default :data:`MAX_BATCH`).
+        kv_tokens: most tokens the KV pool holds over all requests (float32 keys and
+            values, ``dims.kv_bytes_per_token`` bytes each; allocated as requests need it).
+            Default: ``max_batch × max_context``; on a ``group-query-attention`` graph at
+            most ``max_context`` (a pass's keys, pool and step, must fit the graph's rotary
+            table of ``max_context + step_room`` rows).
+        max_unread: chunks a consumer may leave unread before its request is paused.
+
+    The worker thread starts at the first request. :meth:`stream` may be called from any
+    number of threads.
+
+    Raises:
+        GenerationError: an option out of range.
+    """
+
+    def __init__(self, decoder: Decoder, *, token_budget: int = TOKEN_BUDGET, prefill_chunk: int = PREFILL_CHUNK,
+                 max_batch: int = MAX_BATCH, kv_tokens: int | None = None, max_unread: int = MAX_UNREAD):
+        for name, value in (("token_budget", token_budget), ("prefill_chunk", prefill_chunk),
+                            ("max_batch", max_batch), ("max_unread", max_unread)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GenerationError(f"{name} must be an integer ≥ 1, got {value!r}")
+        self.decoder = decoder
+        self.engine = decoder.engine
+        self.token_budget = token_budget
+        self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch
+        self.max_unread = max_unread
+        dims = decoder.dims
+        limit = max_batch * decoder.max_context
+        rotary = getattr(self.engine, "step_room", None)
+        if rotary is not None:  # GroupQueryAttention: a pass's key length ≤ the rotary table's rows
+            limit = min(limit, dims.max_context + rotary - max(token_budget, prefill_chunk, rotary))
+        if kv_tokens is not None:
+            if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
+                raise GenerationError(f"kv_tokens must be an integer ≥ 1, got {kv_tokens!r}")
+            limit = min(limit, kv_tokens) if rotary is not None else kv_tokens
+        self.kv_tokens = limit
+        self.pool = TokenPool(dims, getattr(self.engine, "kv_layout", "sequence-major"), 0, limit,
+                              initial=min(limit, 1024))
+        self._cond = threading.Condition()
+        self._pending: list[_Request] = []
+        self._active: list[_Request] = []
+        self._reserved = 0
+        self._ids = itertools.count(1)
+        self._worker: threading.Thread | None = None
+        self._closing = False
+        self.passes = 0
+        #: (requests in a pass, rows of the pass) -> passes
+        self.pass_shapes: Counter = Counter()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def stream(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, *, stop=(),
+               cancel=None, timeout_s: float | None = None, sampling: SamplingParams | None = None) -> Iterator[Chunk]:
+        """Submit a request; returns its chunks (as :meth:`lade_export.runtime.Decoder.stream`).
+
+        Arguments, chunks and errors as :meth:`lade_export.runtime.Decoder.stream`; the
+        request runs in the scheduler's passes. Closing the iterator (or dropping it)
+        ends the request at the next pass boundary and frees its KV columns. An error the
+        request meets while running (its engine step fails alone, its host work raises)
+        is raised from the iterator.
+
+        Raises:
+            GenerationError, ProfileError: before any work, as the decoder's; also
+                GenerationError when prompt + max_new_tokens exceed the KV pool
+                (``kv_tokens``), and after :meth:`close`.
+        """
+        d = self.decoder
+        prompt = [int(t) for t in prompt_ids]
+        d.check_request(len(prompt), max_new_tokens, profile)
+        outside = next((t for t in prompt if not 0 <= t < d.dims.vocab), None)
+        if outside is not None:
+            raise GenerationError(f"token id {outside} is outside the vocabulary (0..{d.dims.vocab - 1})")
+        if stop and d.tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer")
+        need = len(prompt) + max_new_tokens
+        if need > self.kv_tokens:
+            raise GenerationError(f"prompt + max_new_tokens ({need} tokens) exceed the scheduler's KV pool of "
+                                  f"{self.kv_tokens} tokens (kv_tokens); ask for fewer tokens or a larger pool")
+        widest = profile.max_step if profile is not None and profile.enabled else 1
+        detok = d.tokenizer.detokenizer() if d.tokenizer is not None else None
+        text = TextStream(detok, tuple(stop or ()))
+        rules = StopRules(d.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
+        state = new_state(profile, d.dims.vocab, prompt, rules, sampling)
+        stats = GenerationStats(prompt_tokens=len(prompt), decoding=sampling.describe() if sampling else "greedy")
+        deadline = time.perf_counter() + timeout_s if timeout_s is not None else None
+        req = _Request(next(self._ids), prompt, state, text, stats, cancel, deadline, widest, need)
+        with self._cond:
+            if self._closing:
+                raise GenerationError("the scheduler is closed")
+            self._pending.append(req)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="lade-scheduler", daemon=True)
+                self._worker.start()
+            self._cond.notify()
+        return self._chunks(req)
+
+    def _chunks(self, req: _Request) -> Iterator[Chunk]:
+        try:
+            while True:
+                item = req.out.get()
+                if item is _CLOSED:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.final:
+                    return
+        finally:
+            req.closed.set()
+            with self._cond:
+                self._cond.notify()
+
+    def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, **kw
+                 ) -> GenerationResult:
+        """Run a request to its end (arguments as :meth:`stream`)."""
+        return collect(self.stream(prompt_ids, max_new_tokens, profile, **kw))
+
+    @property
+    def active_requests(self) -> int:
+        """Requests admitted and not yet finished (not counting those waiting)."""
+        with self._cond:
+            return len(self._active)
+
+    def close(self) -> None:
+        """Stop the worker: requests still running or waiting end with a GenerationError."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._worker is not None:
+            self._worker.join()
+
+    # -- the worker --------------------------------------------------------------------------
+
+    def _send(self, req: _Request, item) -> None:
+        req.out.put(item)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and not self._pending and not self._active:
+                    self._cond.wait()
+                if self._closing:
+                    for req in self._pending + self._active:
+                        self._send(req, GenerationError("the scheduler was closed while the request ran"))
+                    self._pending.clear()
+                    self._active.clear()
+                    return
+                while (self._pending and len(self._active) < self.max_batch
+                       and self._reserved + self._pending[0].need <= self.kv_tokens):
+                    req = self._pending.pop(0)
+                    self._reserved += req.need
+                    self._active.append(req)
+            items = self._plan()
+            if not items:
+                with self._cond:  # every request is paused or waiting for room: wait for a reader
+                    self._cond.wait(timeout=0.005)
+                continue
+            try:
+                self._pass(items)
+            except Exception as err:  # a fault of the pass itself: fail its requests, keep serving
+                for req, _ in items:
+                    self._fail(req, err)
+
+    def _leave(self, req: _Request) -> None:
+        with self._cond:
+            if req in self._active:
+                self._active.remove(req)
+                self._reserved -= req.need
+        self.pool.release(req.id)
+
+    def _fail(self, req: _Request, err: BaseException) -> None:
+        if req.error is None:
+            req.error = err
+            self._send(req, err if isinstance(err, Exception) else GenerationError(str(err)))
+        self._leave(req)
+
+    def _finish(self, req: _Request, reason: str, last_ids: list) -> None:
+        stats = req.stats
+        now = time.perf_counter()
+        stats.decode_s = now - req.t1 if req.t1 is not None else 0.0
+        stats.host_s = max(stats.decode_s - req.engine_s, 0.0)
+        stats.cache_tokens = req.cache_len
+        stats.acceptance_histogram = dict(req.histogram)
+        stats.drafts_checked, stats.drafts_accepted = req.state.rule.checked, req.state.rule.accepted
+        tail, cut = req.text.finish()
+        if cut and reason in ("stop_token", "max_new_tokens"):
+            reason = "stop_string"
+        self._send(req, Chunk(tail, last_ids, reason, stats))
+        self._leave(req)
+
+    def _plan(self) -> list:
+        """This pass's items: ``[(request, PackedItem)]`` in row order (see the module docstring)."""
+        with self._cond:
+            active = list(self._active)
+        if not active:
+            return []
+        start = self.passes % len(active)
+        order = active[start:] + active[:start]
+        items, rows = [], 0
+        for req in order:
+            if req.closed.is_set():
+                self._leave(req)
+                continue
+            if not req.ready or req.out.qsize() >= self.max_unread:
+                continue
+            try:
+                if req.cancel is not None and req.cancel.is_set():
+                    self._finish(req, "cancelled", [])
+                    continue
+                if req.deadline is not None and time.perf_counter() >= req.deadline:
+                    self._finish(req, "timeout", [])
+                    continue
+                if req.t1 is None:
+                    req.t1 = time.perf_counter()
+                if req.layout is None:
+                    req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len)
+            except Exception as err:  # the request's own objects (its cancel event, its state) failed
+                self._fail(req, err)
+                continue
+            lay = req.layout
+            if items and rows + lay.step > self.token_budget:
+                continue  # the next pass
+            items.append((req, PackedItem(req.id, lay.input_ids, lay.position_ids, lay.step_mask, lay.logit_rows)))
+            rows += lay.step
+            if self.pool.used == 0:
+                # A pass over an empty cache is one request's: ONNX Runtime's GroupQueryAttention
+                # takes such a step as a first prompt, with positions 0 … step−1 whatever
+                # position_ids say, so a second request's rows would get the wrong positions.
+                break
+        budget = self.token_budget if items else self.prefill_chunk
+        for req in active:  # arrival order
+            if req.ready or req.closed.is_set() or rows >= budget:
+                continue
+            if items and self.pool.used == 0:
+                break  # see below
+            n = min(len(req.prompt) - 1 - req.prefilled, budget - rows)
+            ids = np.asarray(req.prompt[req.prefilled:req.prefilled + n], dtype=np.int64)
+            pos = np.arange(req.prefilled, req.prefilled + n, dtype=np.int64)
+            items.append((req, PackedItem(req.id, ids, pos, np.tril(np.ones((n, n), dtype=bool)),
+                                          np.zeros(0, np.int64))))
+            rows += n
+        return items
+
+    def _pass(self, items: list) -> None:
+        """Run one packed pass and hand every request its rows (item by item on an engine error)."""
+        step = sum(it.width for _, it in items)
+        self.pool.reserve(step)
+        feeds = pack([it for _, it in items], self.pool.owner)
+        feeds.update(self.pool.feeds())
+        with_logits = any(req.ready and req.state.needs_logits for req, _ in items)
+        te = time.perf_counter()
+        try:
+            outputs = self.engine.run(feeds, with_logits=with_logits)
+        except Exception as err:
+            if len(items) == 1:
+                self._fail(items[0][0], err)
+            else:
+                for item in items:
+                    self._pass([item])
+            return
+        engine_s = time.perf_counter() - te
+        self.passes += 1
+        self.pass_shapes[len(items), step] += 1
+        kept, done = [], []
+        for req, it in items:
+            req.engine_s += engine_s
+            rows = None
+            if not req.ready:  # a prompt chunk: every row is kept
+                req.prefilled += it.width
+                rows = np.arange(it.width)
+                if req.ready:
+                    req.stats.prefill_s = time.perf_counter() - req.t0
+            else:
+                try:
+                    verdict = req.state.update(req.layout, item_outputs(outputs, it))
+                except Exception as err:  # this request's host work failed: it alone ends
+                    req.layout = None
+                    done.append((req, err))
+                    continue
+                req.layout = None
+                stats = req.stats
+                stats.steps += 1
+                stats.new_tokens += len(verdict.accepted)
+                req.histogram[len(verdict.accepted)] += 1
+                if stats.steps == 1:
+                    stats.first_token_s = time.perf_counter() - req.t0
+                if verdict.stop_reason is not None:
+                    done.append((req, (verdict.stop_reason, verdict.accepted)))
+                    continue
+                rows = np.arange(it.width) if verdict.kept_rows is None else np.asarray(verdict.kept_rows)
+                self._send(req, Chunk(req.text.take(), verdict.accepted))
+            kept.append((req.id, it.rows + rows))
+            req.cache_len += len(rows)
+        self.pool.commit(outputs, kept, step)
+        for req, why in done:
+            if isinstance(why, BaseException):
+                self._fail(req, why)
+            else:
+                self._finish(req, *why)

@@ -1,0 +1,211 @@
+"""Continuous batching on stories260K: requests sharing the scheduler's passes each decode
+exactly what they decode alone (the single-request Decoder on the same engine), whatever
+joins, leaves, is cancelled or fails beside them."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from lade_export.errors import EngineError, GenerationError
+from lade_export.profile import LookaheadProfile, resolve_profile
+from lade_export.runtime import collect
+from lade_export.sampling import SamplingParams
+from lade_export.scheduler import Scheduler
+
+# (prompt case, profile, sampling, stop strings, max_new_tokens): eight requests that differ in every rule.
+REQUESTS = [
+    (0, None, None, (), 96),
+    (1, "default", None, (), 128),
+    (2, "small", None, (" the",), 80),
+    (0, "paper", None, (), 64),
+    (1, LookaheadProfile(1, 2, 0), SamplingParams(0.8, 0, 0.9, 3), (), 72),
+    (2, LookaheadProfile(4, 2, 6), None, ("Lily",), 128),
+    (0, None, SamplingParams(1.0, 20, 1.0, 11), (), 50),
+    (1, "default", SamplingParams(0.7, 0, 1.0, 5), (".",), 100),
+]
+
+
+def _profile(p):
+    return resolve_profile(p) if isinstance(p, str) else p
+
+
+def _solo(decoder, reference_greedy, spec):
+    case, prof, sampling, stop, n = spec
+    return decoder.generate(reference_greedy["cases"][case]["prompt_ids"], n, _profile(prof), stop=stop,
+                            sampling=sampling)
+
+
+def _submit(scheduler, reference_greedy, spec):
+    case, prof, sampling, stop, n = spec
+    return scheduler.stream(reference_greedy["cases"][case]["prompt_ids"], n, _profile(prof), stop=stop,
+                            sampling=sampling)
+
+
+@pytest.fixture(scope="module")
+def solo(stories_decoder, reference_greedy):
+    return [_solo(stories_decoder, reference_greedy, spec) for spec in REQUESTS]
+
+
+def _same(a, b):
+    return (a.token_ids, a.text, a.stop_reason, a.stats.steps) == (b.token_ids, b.text, b.stop_reason, b.stats.steps)
+
+
+@pytest.mark.parametrize("budget,chunk", [(64, 512), (12, 5)], ids=["defaults", "tight-budget-chunked-prefill"])
+def test_eight_concurrent_requests_each_equal_their_solo_run(stories_decoder, reference_greedy, solo, budget, chunk):
+    scheduler = Scheduler(stories_decoder, token_budget=budget, prefill_chunk=chunk)
+    results = [None] * len(REQUESTS)
+
+    def run(i):
+        results[i] = collect(_submit(scheduler, reference_greedy, REQUESTS[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    scheduler.close()
+    for i, (got, want) in enumerate(zip(results, solo)):
+        assert _same(got, want), REQUESTS[i]
+    assert max(n for n, _ in scheduler.pass_shapes) >= 4  # they did share passes
+    if budget == 12:  # a pass over the budget is one request's step (a lookahead step wider than 12)
+        assert {n for n, rows in scheduler.pass_shapes if rows > 12} == {1}
+    assert scheduler.pool.used == 0
+
+
+def test_greedy_requests_equal_the_reference_oracle(stories_decoder, reference_greedy):
+    stops = stories_decoder.stop_token_ids
+    stories_decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
+    try:
+        scheduler = Scheduler(stories_decoder, token_budget=24, prefill_chunk=3)
+        streams = [scheduler.stream(case["prompt_ids"], 128, prof)
+                   for case in reference_greedy["cases"] for prof in (None, resolve_profile("default"))]
+        results = [collect(s) for s in streams]
+        scheduler.close()
+    finally:
+        stories_decoder.stop_token_ids = stops
+    expected = [case["greedy_ids"] for case in reference_greedy["cases"] for _ in range(2)]
+    assert [r.token_ids for r in results] == expected
+
+
+def test_a_cancelled_request_and_a_late_one_leave_the_others_exact(stories_decoder, reference_greedy, solo):
+    scheduler = Scheduler(stories_decoder, token_budget=32)
+    cancel = threading.Event()
+    case, prof, sampling, stop, n = REQUESTS[1]
+    a = scheduler.stream(reference_greedy["cases"][case]["prompt_ids"], n, _profile(prof), cancel=cancel)
+    b = _submit(scheduler, reference_greedy, REQUESTS[2])
+    taken_a = [next(a) for _ in range(3)]
+    cancel.set()
+    rest_a = list(a)
+    taken_b = [next(b) for _ in range(4)]
+    late = _submit(scheduler, reference_greedy, REQUESTS[5])  # arrives while b decodes
+    got_b = collect(iter(taken_b + list(b)))
+    got_late = collect(late)
+    scheduler.close()
+    chunks_a = taken_a + rest_a
+    ids_a = [t for c in chunks_a for t in c.token_ids]
+    assert chunks_a[-1].stop_reason == "cancelled"
+    assert 3 <= len(ids_a) < len(solo[1].token_ids) and ids_a == solo[1].token_ids[:len(ids_a)]
+    assert _same(got_b, solo[2]) and _same(got_late, solo[5])
+
+
+def test_a_closed_stream_frees_its_kv_columns_and_the_others_go_on(stories_decoder, reference_greedy, solo):
+    scheduler = Scheduler(stories_decoder)
+    a = _submit(scheduler, reference_greedy, REQUESTS[0])
+    b = _submit(scheduler, reference_greedy, REQUESTS[3])
+    for _ in range(5):
+        next(a)
+    a.close()
+    got_b = collect(b)
+    scheduler.close()
+    assert _same(got_b, solo[3])
+    assert scheduler.pool.used == 0 and scheduler.active_requests == 0
+
+
+class _FailOn:
+    """The stories engine, failing every pass that feeds token ``bad``."""
+
+    def __init__(self, engine, bad):
+        self.engine, self.bad = engine, bad
+        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+
+    def run(self, feeds, with_logits=False):
+        if np.any(feeds["input_ids"] == self.bad):
+            raise EngineError(f"ONNX Runtime step failed: token {self.bad}")
+        return self.engine.run(feeds, with_logits)
+
+
+def test_an_engine_failure_fails_only_the_request_that_causes_it(stories_decoder, reference_greedy, solo):
+    from lade_export.runtime import Decoder
+
+    bad = 499  # in no prompt and in no solo output below
+    assert all(bad not in s.token_ids for s in solo[:3])
+    decoder = Decoder(_FailOn(stories_decoder.engine, bad), stories_decoder.stop_token_ids,
+                      stories_decoder.max_context, stories_decoder.tokenizer)
+    scheduler = Scheduler(decoder)
+    good = [_submit(scheduler, reference_greedy, REQUESTS[i]) for i in range(3)]
+    poisoned = scheduler.stream(reference_greedy["cases"][0]["prompt_ids"] + [bad, 300], 20)
+    results = [collect(g) for g in good]
+    with pytest.raises(EngineError, match="token 499"):
+        collect(poisoned)
+    scheduler.close()
+    assert all(_same(r, s) for r, s in zip(results, solo[:3]))
+    assert scheduler.pool.used == 0
+
+
+def test_a_host_failure_fails_only_that_request(stories_decoder, reference_greedy, solo):
+    class Flaky:
+        """A cancel event that breaks on its third look."""
+        calls = 0
+
+        def is_set(self):
+            Flaky.calls += 1
+            if Flaky.calls == 3:
+                raise RuntimeError("cancel event broke")
+            return False
+
+    scheduler = Scheduler(stories_decoder)
+    good = _submit(scheduler, reference_greedy, REQUESTS[1])
+    broken = scheduler.stream(reference_greedy["cases"][2]["prompt_ids"], 40, None, cancel=Flaky())
+    with pytest.raises(RuntimeError, match="cancel event broke"):
+        collect(broken)
+    assert _same(collect(good), solo[1])
+    scheduler.close()
+    assert Flaky.calls == 3 and scheduler.pool.used == 0
+
+
+def test_a_consumer_that_stops_reading_is_paused_not_the_others(stories_decoder, reference_greedy, solo):
+    scheduler = Scheduler(stories_decoder, max_unread=2)
+    idle = _submit(scheduler, reference_greedy, REQUESTS[0])
+    busy = collect(_submit(scheduler, reference_greedy, REQUESTS[3]))
+    assert _same(busy, solo[3])
+    with scheduler._cond:
+        waiting = [r for r in scheduler._active if r.prompt == reference_greedy["cases"][0]["prompt_ids"]]
+    assert waiting and waiting[0].out.qsize() == 2 and waiting[0].stats.steps == 2
+    assert _same(collect(idle), solo[0])
+    scheduler.close()
+
+
+def test_bad_requests_and_options_are_refused_in_one_line(stories_decoder, reference_greedy):
+    with pytest.raises(GenerationError, match=r"token_budget must be an integer ≥ 1, got 0"):
+        Scheduler(stories_decoder, token_budget=0)
+    scheduler = Scheduler(stories_decoder, kv_tokens=100, token_budget=16, prefill_chunk=16)
+    ids = reference_greedy["cases"][0]["prompt_ids"]
+    with pytest.raises(GenerationError, match=rf"prompt \+ max_new_tokens \({len(ids) + 120} tokens\) exceed the "
+                                              r"scheduler's KV pool of 100 tokens \(kv_tokens\)"):
+        scheduler.stream(ids, 120)
+    with pytest.raises(GenerationError, match="max_new_tokens must be an integer ≥ 1, got 0"):
+        scheduler.stream(ids, 0)
+    scheduler.close()
+    with pytest.raises(GenerationError, match="the scheduler is closed"):
+        scheduler.stream(ids, 8)
+
+
+def test_requests_wait_for_room_in_the_kv_pool(stories_decoder, reference_greedy, solo):
+    ids = reference_greedy["cases"][0]["prompt_ids"]
+    scheduler = Scheduler(stories_decoder, kv_tokens=len(ids) + 100)  # one request at a time fits
+    streams = [_submit(scheduler, reference_greedy, REQUESTS[0]) for _ in range(3)]
+    results = [collect(s) for s in streams]
+    scheduler.close()
+    assert all(_same(r, solo[0]) for r in results)
+    assert {n for n, _ in scheduler.pass_shapes} == {1}
