@@ -23,7 +23,7 @@ from .artifact import Artifact
 from .errors import GenerationError
 from .profile import LookaheadProfile, resolve_profile
 from .runtime import Chunk, Decoder, GenerationResult, collect
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_integer_number
 
 
 def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
@@ -130,7 +130,8 @@ class Model:
 
         Args:
             prompt: text; a list of chat messages (``[{"role", "content"}]``); or token
-                ids (used as given).
+                ids (used as given: a list or tuple of Python or numpy integers, or a 1-D
+                numpy integer array).
             chat: for text, wrap it as one user turn in the chat template; None: when the
                 model has one.
             parse_special_in_messages: bool; True parses special-token strings inside
@@ -149,8 +150,10 @@ class Model:
             return self.tokenizer.encode_prompt(prompt, chat=use_chat, parse_special_in_messages=special)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.apply_chat_template(list(prompt), parse_special_in_messages=special)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+        if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a numpy vector of ids
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)) and all(is_integer_number(t) for t in prompt):
+            return [int(t) for t in prompt]
         raise GenerationError("prompt must be text, a list of chat messages, or a list of token ids")
 
     def resolve_profile(self, profile, lookahead: bool = True) -> LookaheadProfile | None:

@@ -112,6 +112,19 @@ def test_api_accepts_numpy_numbers(model, reference_greedy):
     assert str(info.value) == "max_new_tokens must be an integer ≥ 1, got True"
 
 
+def test_api_takes_numpy_token_ids(model, reference_greedy):
+    case = _case(reference_greedy)
+    ids = case["prompt_ids"]
+    assert model.encode(np.array(ids, dtype=np.int64)) == ids
+    assert model.encode([np.int32(t) for t in ids]) == ids and all(type(t) is int for t in model.encode(tuple(ids)))
+    r = model.generate(np.array(ids), max_new_tokens=16)
+    assert r.token_ids == case["greedy_ids"][:16]
+    for bad in (np.array(ids, dtype=np.float32), [1, True], np.array([ids])):
+        with pytest.raises(GenerationError) as info:
+            model.encode(bad)
+        assert str(info.value) == "prompt must be text, a list of chat messages, or a list of token ids"
+
+
 # -- timeouts -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1, 0, 0.0, -math.inf, "5", True, np.float32("nan")])
