@@ -27,7 +27,7 @@ from .sampling import SamplingParams, is_integer_number
 
 
 def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
-         verify: str | bool = "quick", dtype: str = "float32") -> "Model":
+         verify: str | bool = "quick", dtype: str = "float32", batching: bool = False) -> "Model":
     """Open a built artifact and its engine.
 
     Args:
@@ -41,19 +41,28 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
             weights' sha256 too) or ``"none"``; see :class:`lade_export.artifact.Artifact`.
         dtype: compute dtype of the torch backend (``"float32"``, ``"float16"``,
             ``"bfloat16"``); ONNX Runtime and TensorRT compute in the artifact's precision.
+        batching: True runs every request of the model through one
+            :class:`lade_export.scheduler.Scheduler` (continuous batching: concurrent
+            requests share forward passes; each output equals its unbatched one), with
+            its default options (``model.scheduler``); ort and torch backends.
 
     Raises:
         ArtifactError: not a build, another schema version, or a damaged file.
         BackendUnavailableError: the backend or device is missing.
-        GenerationError: ``dtype`` other than float32 with the ort or tensorrt backend.
+        GenerationError: ``dtype`` other than float32 with the ort or tensorrt backend;
+            ``batching`` with the tensorrt backend.
     """
     from .backends import open_engine
+
+    if batching and backend == "tensorrt":
+        raise GenerationError("batching=True needs the ort or torch backend: TensorRT engines' optimization profiles "
+                              "do not cover packed passes yet")
 
     t0 = time.perf_counter()
     artifact = Artifact(artifact_dir, verify=verify)
     tokenizer = artifact.tokenizer()
     engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
-    model = Model(artifact, tokenizer, engine)
+    model = Model(artifact, tokenizer, engine, batching=batching)
     model.load_s = time.perf_counter() - t0
     return model
 
@@ -107,11 +116,13 @@ class Model:
         artifact: the :class:`lade_export.artifact.Artifact`.
         tokenizer: the :class:`lade_export.tokenizer.Tokenizer`.
         decoder: the :class:`lade_export.runtime.Decoder` on the engine.
+        scheduler: the :class:`lade_export.scheduler.Scheduler` that runs every request
+            (``batching=True``), else None (each request runs its own passes).
         default_profile: the profile used when a request names none.
         load_s: seconds :func:`load` took.
     """
 
-    def __init__(self, artifact: Artifact, tokenizer, engine):
+    def __init__(self, artifact: Artifact, tokenizer, engine, batching: bool = False):
         self.artifact = artifact
         self.tokenizer = tokenizer
         self.engine = engine
@@ -119,6 +130,11 @@ class Model:
                                lookahead_exact=bool(artifact.manifest["graph"].get("lookahead_exact", True)))
         self.default_profile = artifact.default_profile()
         self.load_s = 0.0
+        self.scheduler = None
+        if batching:
+            from .scheduler import Scheduler
+
+            self.scheduler = Scheduler(self.decoder)
 
     def encode(self, prompt, chat: bool | None = None, *, parse_special_in_messages: bool = False) -> list[int]:
         """Prompt token ids.
@@ -197,8 +213,9 @@ class Model:
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         own = threading.Event()
         either = _AnyEvent(own, cancel) if cancel is not None else own
-        chunks = self.decoder.stream(ids, max_new_tokens, prof, stop=stops, cancel=either, timeout_s=timeout_s,
-                                     sampling=sampling)
+        runner = self.scheduler or self.decoder
+        chunks = runner.stream(ids, max_new_tokens, prof, stop=stops, cancel=either, timeout_s=timeout_s,
+                               sampling=sampling)
         return Stream(lambda: chunks, own)
 
     def generate(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
@@ -221,7 +238,9 @@ class Model:
         return stream.result
 
     def close(self) -> None:
-        """Release the engine."""
+        """Release the engine (after stopping the scheduler, if any)."""
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.engine.close()
 
     def __enter__(self) -> "Model":

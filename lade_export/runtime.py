@@ -256,6 +256,19 @@ class Decoder:
                 GenerationError also for a prompt token id outside ``[0, vocab)``, an empty
                 stop string, or a ``timeout_s`` that is not a finite number > 0.
         """
+        prompt, max_new_tokens = self.validate(prompt_ids, max_new_tokens, profile, stop, timeout_s)
+        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling)
+
+    def validate(self, prompt_ids, max_new_tokens, profile=None, stop=(), timeout_s=None) -> tuple[list[int], int]:
+        """The checks of :meth:`stream` before any work (also the scheduler's,
+        :class:`lade_export.scheduler.Scheduler`).
+
+        Returns:
+            ``(prompt ids as Python ints, max_new_tokens as an int)``.
+
+        Raises:
+            GenerationError, ProfileError: as :meth:`stream`.
+        """
         prompt = [int(t) for t in prompt_ids]
         self.check_request(len(prompt), max_new_tokens, profile)
         max_new_tokens = int(max_new_tokens)
@@ -268,7 +281,7 @@ class Decoder:
             raise GenerationError(f"token id {outside} is outside the vocabulary (0..{self.dims.vocab - 1})")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
-        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling)
+        return prompt, max_new_tokens
 
     def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s, sampling) -> Iterator[Chunk]:
         t0 = time.perf_counter()

@@ -132,7 +132,7 @@ class Scheduler:
     Args:
         decoder: the :class:`~lade_export.runtime.Decoder` whose engine, stop ids, context,
             tokenizer and exactness flag the scheduler uses (and whose
-            :meth:`~lade_export.runtime.Decoder.check_request` validates requests).
+            :meth:`~lade_export.runtime.Decoder.validate` checks requests).
         token_budget: rows of a pass that holds decode steps (latency bound; default
             :data:`TOKEN_BUDGET`). A step wider than it runs alone.
         prefill_chunk: prompt tokens a pass without decode steps may take (default
@@ -205,13 +205,7 @@ class Scheduler:
                 (``kv_tokens``), and after :meth:`close`.
         """
         d = self.decoder
-        prompt = [int(t) for t in prompt_ids]
-        d.check_request(len(prompt), max_new_tokens, profile)
-        outside = next((t for t in prompt if not 0 <= t < d.dims.vocab), None)
-        if outside is not None:
-            raise GenerationError(f"token id {outside} is outside the vocabulary (0..{d.dims.vocab - 1})")
-        if stop and d.tokenizer is None:
-            raise GenerationError("stop strings need a tokenizer")
+        prompt, max_new_tokens = d.validate(prompt_ids, max_new_tokens, profile, stop, timeout_s)
         need = len(prompt) + max_new_tokens
         if need > self.kv_tokens:
             raise GenerationError(f"prompt + max_new_tokens ({need} tokens) exceed the scheduler's KV pool of "

@@ -189,15 +189,19 @@ def test_a_consumer_that_stops_reading_is_paused_not_the_others(stories_decoder,
 def test_bad_requests_and_options_are_refused_in_one_line(stories_decoder, reference_greedy):
     with pytest.raises(GenerationError, match=r"token_budget must be an integer ≥ 1, got 0"):
         Scheduler(stories_decoder, token_budget=0)
-    scheduler = Scheduler(stories_decoder, kv_tokens=100, token_budget=16, prefill_chunk=16)
+    scheduler = Scheduler(stories_decoder, kv_tokens=100, token_budget=16, prefill_chunk=16, max_unread=1)
     ids = reference_greedy["cases"][0]["prompt_ids"]
     with pytest.raises(GenerationError, match=rf"prompt \+ max_new_tokens \({len(ids) + 120} tokens\) exceed the "
                                               r"scheduler's KV pool of 100 tokens \(kv_tokens\)"):
         scheduler.stream(ids, 120)
     with pytest.raises(GenerationError, match="max_new_tokens must be an integer ≥ 1, got 0"):
         scheduler.stream(ids, 0)
+    running = scheduler.stream(ids, 60)
+    next(running)  # then the request is paused with one chunk unread (max_unread=1): still running at close
     scheduler.close()
-    with pytest.raises(GenerationError, match="the scheduler is closed"):
+    with pytest.raises(GenerationError, match="^the scheduler was closed while the request ran$"):
+        list(running)
+    with pytest.raises(GenerationError, match="^the scheduler is closed$"):
         scheduler.stream(ids, 8)
 
 
@@ -209,3 +213,87 @@ def test_requests_wait_for_room_in_the_kv_pool(stories_decoder, reference_greedy
     scheduler.close()
     assert all(_same(r, solo[0]) for r in results)
     assert {n for n, _ in scheduler.pass_shapes} == {1}
+
+
+# -- the one-call API with batching=True -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(stories_artifact):
+    import lade_export
+
+    plain, batched = lade_export.load(stories_artifact), lade_export.load(stories_artifact, batching=True)
+    yield plain, batched
+    plain.close()
+    batched.close()
+
+
+API_REQUESTS = [
+    dict(prompt="Once upon a time", max_new_tokens=60, profile="default"),
+    dict(prompt="The little dog", max_new_tokens=70, lookahead=False, stop=" the"),
+    dict(prompt="Lily and Tom went to the park", max_new_tokens=50, profile="small", temperature=0.9, seed=4),
+    dict(prompt="One day, a bird", max_new_tokens=80, profile="paper", stop=["Lily", "."]),
+    dict(prompt="Tim had a red ball", max_new_tokens=40, temperature=0.6, top_k=30, seed=1),
+    dict(prompt="There was a big tree", max_new_tokens=64, profile="1,2,0"),
+]
+
+
+def test_generate_from_many_threads_with_batching_equals_the_unbatched_model(models):
+    plain, batched = models
+    assert batched.scheduler is not None and plain.scheduler is None
+    want = [plain.generate(**kw) for kw in API_REQUESTS]
+    got = [None] * len(API_REQUESTS)
+
+    def run(i):
+        got[i] = batched.generate(**API_REQUESTS[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(API_REQUESTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for kw, g, w in zip(API_REQUESTS, got, want):
+        assert (g.token_ids, g.text, g.stop_reason) == (w.token_ids, w.text, w.stop_reason), kw
+    assert max(n for n, _ in batched.scheduler.pass_shapes) >= 3
+
+
+def test_a_batched_stream_cancels_and_closes_like_an_unbatched_one(models, reference_greedy):
+    plain, batched = models
+    stream = batched.stream("Once upon a time", max_new_tokens=100, profile="small")
+    first = [next(stream) for _ in range(3)]
+    stream.cancel()
+    rest = list(stream)
+    assert rest[-1].stop_reason == "cancelled" and stream.result.stop_reason == "cancelled"
+    ids = [t for c in first + rest for t in c.token_ids]
+    assert ids == reference_greedy["cases"][0]["greedy_ids"][:len(ids)] and len(ids) < 100
+    with batched.stream("The little dog", max_new_tokens=100) as closing:
+        next(closing)
+    other = batched.generate("The little dog", max_new_tokens=30)
+    assert other.token_ids == plain.generate("The little dog", max_new_tokens=30).token_ids
+    assert batched.scheduler.active_requests == 0 and batched.scheduler.pool.used == 0
+
+
+def test_batching_through_the_api_imports_neither_torch_nor_transformers(stories_artifact, reference_greedy):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lade_export\n"
+        f"m = lade_export.load({str(stories_artifact)!r}, batching=True)\n"
+        "print(m.generate('Once upon a time', max_new_tokens=30, profile='default').token_ids)\n"
+        "m.close()\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ids, modules = proc.stdout.strip().splitlines()
+    assert eval(ids) == reference_greedy["cases"][0]["greedy_ids"][:30]
+    assert modules == "False False"
+
+
+def test_batching_with_tensorrt_is_refused_in_one_line(stories_artifact):
+    import lade_export
+
+    with pytest.raises(GenerationError, match=r"^batching=True needs the ort or torch backend: TensorRT engines' "
+                                              r"optimization profiles do not cover packed passes yet$"):
+        lade_export.load(stories_artifact, backend="tensorrt", batching=True)
