@@ -11,7 +11,7 @@ admits and retires requests between iterations):
   rule with its own random generator), its stop rules and text stream, and its columns of
   the scheduler's KV pool. The lookahead algorithm does not know it is batched:
   ``prepare`` / ``update`` are called exactly as the single-request loop calls them.
-* Each iteration (a *pass*) the worker thread takes the next decode step of every active
+* Each iteration (a *pass*) the scheduler takes the next decode step of every active
   request (round robin from a rotating start) while the rows fit the token budget, then
   fills what is left of the budget with chunks of new requests' prompts (so a long prompt
   does not stall running streams), packs them (:mod:`lade_export.packed`), runs one
@@ -23,6 +23,9 @@ admits and retires requests between iterations):
   pass is retried item by item, each alone, so it fails only the request that causes it.
 * A request whose consumer has ``max_unread`` chunks waiting is skipped (paused) until
   the consumer reads; it never holds the others back.
+* Passes run in the threads of the readers (leader/follower): whichever reader is waiting
+  for a chunk and finds no pass running runs the next one for everybody; the others wait
+  for their chunks. No pass runs while no reader waits.
 
 Why this formulation (measured, ``bench/batched_step_options.py``, SmolLM2-135M on a
 shared 2-core CPU, 256 cached tokens a request, medians of interleaved rounds):
@@ -90,11 +93,8 @@ MAX_BATCH = 8
 #: Default chunks a consumer may leave unread before its request is paused.
 MAX_UNREAD = 64
 
-_CLOSED = object()
-
-
 class _Request:
-    """One request's state inside the scheduler (private: the worker alone touches it)."""
+    """One request's state inside the scheduler (private: only the thread running a pass changes it)."""
 
     __slots__ = ("id", "prompt", "state", "text", "stats", "out", "cancel", "deadline", "closed", "t0", "t1",
                  "prefilled", "cache_len", "layout", "histogram", "engine_s", "max_step", "need", "error")
@@ -145,8 +145,10 @@ class Scheduler:
             table of ``max_context + step_room`` rows).
         max_unread: chunks a consumer may leave unread before its request is paused.
 
-    The worker thread starts at the first request. :meth:`stream` may be called from any
-    number of threads.
+    :meth:`stream` may be called from any number of threads. There is no thread of its
+    own: a reader waiting for its next chunk runs the next pass when no other reader is
+    running one (leader/follower), so a request alone runs its passes in its own thread
+    as the single-request loop does, and an idle scheduler costs nothing.
 
     Raises:
         GenerationError: an option out of range.
@@ -181,7 +183,7 @@ class Scheduler:
         self._active: list[_Request] = []
         self._reserved = 0
         self._ids = itertools.count(1)
-        self._worker: threading.Thread | None = None
+        self._lead = threading.Lock()  # held by the reader thread that runs the current pass
         self._closing = False
         self.passes = 0
         #: (requests in a pass, rows of the pass) -> passes
@@ -222,18 +224,13 @@ class Scheduler:
             if self._closing:
                 raise GenerationError("the scheduler is closed")
             self._pending.append(req)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._loop, name="lade-scheduler", daemon=True)
-                self._worker.start()
-            self._cond.notify()
+            self._cond.notify_all()
         return self._chunks(req)
 
     def _chunks(self, req: _Request) -> Iterator[Chunk]:
         try:
             while True:
-                item = req.out.get()
-                if item is _CLOSED:
-                    return
+                item = self._next_item(req)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -242,7 +239,28 @@ class Scheduler:
         finally:
             req.closed.set()
             with self._cond:
-                self._cond.notify()
+                self._cond.notify_all()
+
+    def _next_item(self, req: _Request):
+        """The request's next chunk (or error), running passes while none is there and no
+        other reader runs them (leader/follower: the thread that waits works)."""
+        while True:
+            try:
+                return req.out.get_nowait()
+            except queue.Empty:
+                pass
+            if self._lead.acquire(blocking=False):
+                try:
+                    worked = self._iterate()
+                finally:
+                    self._lead.release()
+                    with self._cond:
+                        self._cond.notify_all()  # chunks for the others, and the lead is free
+                if worked:
+                    continue
+            with self._cond:  # another reader runs the pass, or every request is paused
+                if req.out.empty():
+                    self._cond.wait(timeout=0.005 if not self._lead.locked() else 0.05)
 
     def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, **kw
                  ) -> GenerationResult:
@@ -256,44 +274,40 @@ class Scheduler:
             return len(self._active)
 
     def close(self) -> None:
-        """Stop the worker: requests still running or waiting end with a GenerationError."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        if self._worker is not None:
-            self._worker.join()
+        """Stop serving: requests still running or waiting end with a GenerationError
+        (raised by their iterators), later ones are refused."""
+        with self._lead:  # after the pass in flight
+            with self._cond:
+                self._closing = True
+                for req in self._pending + self._active:
+                    self._send(req, GenerationError("the scheduler was closed while the request ran"))
+                self._pending.clear()
+                self._active.clear()
+                self._reserved = 0
+                self._cond.notify_all()
 
-    # -- the worker --------------------------------------------------------------------------
+    # -- one iteration (run by whichever reader holds the lead) --------------------------------
 
     def _send(self, req: _Request, item) -> None:
         req.out.put(item)
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closing and not self._pending and not self._active:
-                    self._cond.wait()
-                if self._closing:
-                    for req in self._pending + self._active:
-                        self._send(req, GenerationError("the scheduler was closed while the request ran"))
-                    self._pending.clear()
-                    self._active.clear()
-                    return
-                while (self._pending and len(self._active) < self.max_batch
-                       and self._reserved + self._pending[0].need <= self.kv_tokens):
-                    req = self._pending.pop(0)
-                    self._reserved += req.need
-                    self._active.append(req)
-            items = self._plan()
-            if not items:
-                with self._cond:  # every request is paused or waiting for room: wait for a reader
-                    self._cond.wait(timeout=0.005)
-                continue
-            try:
-                self._pass(items)
-            except Exception as err:  # a fault of the pass itself: fail its requests, keep serving
-                for req, _ in items:
-                    self._fail(req, err)
+    def _iterate(self) -> bool:
+        """Admit waiting requests, plan and run one pass; False when there was nothing to run."""
+        with self._cond:
+            while (self._pending and len(self._active) < self.max_batch
+                   and self._reserved + self._pending[0].need <= self.kv_tokens):
+                req = self._pending.pop(0)
+                self._reserved += req.need
+                self._active.append(req)
+        items = self._plan()
+        if not items:
+            return False
+        try:
+            self._pass(items)
+        except Exception as err:  # a fault of the pass itself: fail its requests, keep serving
+            for req, _ in items:
+                self._fail(req, err)
+        return True
 
     def _leave(self, req: _Request) -> None:
         with self._cond:
