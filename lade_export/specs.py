@@ -15,6 +15,16 @@ Shape symbols:
 Mask convention: ``attention_mask`` is **boolean**, ``True`` where query row i may
 attend key column j. Columns ``[0, past)`` are the cached tokens, ``[past, past+step)``
 the tokens of this step in feed order. Every row must allow at least one column.
+
+Packed passes (continuous batching, :mod:`lade_export.scheduler`): several requests'
+steps travel as the rows of one batch-1 step — no other input. The cache is then one
+token pool holding every request's keys/values, ``position_ids`` are each request's own
+positions, and the mask is block diagonal: a request's rows see the pool columns it owns
+and its own rows of this step. :mod:`lade_export.packed` computes that layout (row
+offsets, logit offsets, pool column owners) in one place. The graph cannot tell a packed
+pass from one request's step, so every artifact takes it; a pass over an empty cache
+must hold one request (``GroupQueryAttention`` graphs take it as a first prompt, with
+positions ``0 … step−1``).
 """
 
 from __future__ import annotations
