@@ -242,7 +242,9 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
 
     Returns:
         the manifest's ``quantization`` section: ``spec``, ``graph`` (sizes, op counts),
-        ``quality`` (:func:`lade_export.quantize.quality_report`).
+        ``quality`` (:func:`lade_export.quantize.quality_report`) and, with the lade kernels,
+        ``kernels``: ``library``, ``compute``, ``paths`` (per compute type, best first) and
+        ``path_at_build`` (the one the quality was measured on).
     """
     from .quantize import quality_report, quantize_step_graph
     from .runtime import Decoder
@@ -270,12 +272,19 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     quality = quality_report(reference, quantized, sequences)
     reference.close()
     quantized.close()
+    kernels = None
+    if library is not None:  # what the library holds, and the path the quality above was measured on
+        from .kernels import library_paths, running_path
+
+        kernels = {"library": LIBRARY, "compute": spec.compute,
+                   "paths": {c: list(p) for c, p in library_paths(library).items()},
+                   "path_at_build": running_path(library, spec.compute)}
     for name in ("model.onnx", "model.onnx.data"):
         if (root / name).exists():
             (root / name).unlink()
         (staged.parent / name).replace(root / name)
     staged.parent.rmdir()
-    return {"spec": spec.as_dict(), "graph": info, "quality": quality}
+    return {"spec": spec.as_dict(), "graph": info, "quality": quality, **({"kernels": kernels} if kernels else {})}
 
 
 #: The shipped profile an artifact gets by default, per weight precision: the step-cost

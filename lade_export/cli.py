@@ -14,7 +14,7 @@ import click
 
 from .errors import ArtifactError, GenerationError, LadeError, ProfileError
 from .backends import BACKENDS, DTYPES
-from .kernels import KERNELS
+from .kernels import COMPUTE, KERNELS
 from .profile import bundled_profile_names, bundled_profiles_dir, resolve_profile
 
 
@@ -109,9 +109,13 @@ def _profiles(values) -> list:
               help="int8/int4: bits of the LM head and the tied embedding (0: float32; default 0, or 8 with "
                    "--kernels lade). With ONNX Runtime's kernels 8 is fast only with --accuracy-level 4.")
 @click.option("--kernels", type=click.Choice(KERNELS), default="onnxruntime", show_default=True,
-              help="int8/int4: onnxruntime: ONNX Runtime's MatMulNBits; lade: this project's float32-compute "
-                   "block-quantized kernels (exact lookahead, GGML Q4_1/Q8_0 blocks), a library compiled at build "
-                   "time into the artifact (needs g++ and ONNX Runtime's headers: scripts/fetch_ort_headers.sh).")
+              help="int8/int4: onnxruntime: ONNX Runtime's MatMulNBits; lade: this project's block-quantized "
+                   "kernels (GGML Q4_1/Q8_0 blocks; see --compute), a library compiled at build time into the "
+                   "artifact (needs g++; ONNX Runtime's headers are downloaded once, ~150 MB).")
+@click.option("--compute", type=click.Choice(COMPUTE), default=None,
+              help="--kernels lade: float32 (default): float32 FMAs, exact lookahead; int8: activations rounded to "
+                   "int8 per row and block of 32, integer dot products (AMX, VNNI, AVX2; the same bits on every "
+                   "CPU), greedy only (--profile greedy-only).")
 @click.option("--attention", type=click.Choice(["auto", "onnx-ops", "group-query-attention"]), default="auto",
               show_default=True,
               help="ONNX Runtime builds: group-query-attention fuses each layer's RoPE and attention into ONNX "
@@ -129,7 +133,7 @@ def _profiles(values) -> list:
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
 @click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")
 def build(source, profile_values, out, force, threads, engine, precision, block_size, accuracy_level, head_bits,
-          kernels, attention, timing_cache, max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
+          kernels, compute, attention, timing_cache, max_batch, max_prompt, max_context, version_compatible, hardware_compatible, dry_run):
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
     (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
     per profile)."""
@@ -150,7 +154,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     refuse_fused_attention_on_tensorrt(attention, engine == "tensorrt")
     quantized = engine == "onnx" and bool(ORT_PRECISIONS.get(precision))
     for option, value in (("--block-size", block_size), ("--accuracy-level", accuracy_level),
-                          ("--kernels", None if kernels == "onnxruntime" else kernels)):
+                          ("--kernels", None if kernels == "onnxruntime" else kernels), ("--compute", compute)):
         if value is not None and not quantized:
             raise ProfileError(f"{option} applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); "
                                f"this build is {precision}")
@@ -158,15 +162,28 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         raise ProfileError(f"--head-bits {head_bits} quantizes the head of an int8/int4 ONNX Runtime build; "
                            f"give --precision int8 or int4")
     quantization = QuantSpec.for_precision(precision, block_size, accuracy_level,
-                                           None if head_bits is None else int(head_bits), kernels) if quantized else None
+                                           None if head_bits is None else int(head_bits), kernels,
+                                           compute) if quantized else None
     if kernels == "lade":
-        from .kernels import cpu_has_avx512, require_toolchain
+        from .kernels import cpu_has_avx2, cpu_has_avx512, require_toolchain
 
-        require_toolchain()  # before any work (and in a dry run): no compiler or headers, nothing is written
-        if cpu_has_avx512() is False:
-            click.echo("note: this CPU lacks AVX-512 (avx512f/bw/vl/dq); the lade kernels take their portable path "
-                       "here, about 12x slower than on an AVX-512 CPU: --kernels onnxruntime is faster on it", err=True)
-    profiles = _profiles(profile_values or (default_profile_for(precision, kernels),))
+        # before any work: no compiler or headers (downloaded now if missing, not in a dry run), nothing is written
+        headers_at_hand = require_toolchain(fetch=not dry_run)
+        if quantization.compute == "float32" and cpu_has_avx512() is False:
+            click.echo("note: this CPU lacks AVX-512 (avx512f/bw/vl/dq); the float32-compute lade kernels take their "
+                       "portable path here, about 12x slower than on an AVX-512 CPU: --kernels onnxruntime (or --compute int8, "
+                       "greedy only) is faster on it",
+                       err=True)
+        elif quantization.compute == "int8" and cpu_has_avx2() is False:
+            click.echo("note: this CPU lacks AVX2 (avx2/fma/f16c); the lade kernels take their portable path here, "
+                       "many times slower: --kernels onnxruntime is faster on it", err=True)
+    greedy_only = quantization is not None and quantization.kernels == "lade" and not quantization.lookahead_exact
+    profiles = _profiles(profile_values or ("greedy-only" if greedy_only else default_profile_for(precision, kernels),))
+    if greedy_only and any(p.enabled for p in profiles):
+        raise ProfileError("--compute int8 rounds each row's activations to int8, which amplifies the float32 "
+                           "differences between a one-token and a many-token step in the rest of the graph "
+                           "(attention), so lookahead would not be exact; give --profile greedy-only, or --compute "
+                           "float32")
     if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
         raise ProfileError(f"--precision {precision} with accuracy level {quantization.accuracy_level} computes one-token "
                            "and multi-token steps differently (int8 activations), so lookahead would not be exact; "
@@ -185,7 +202,8 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
             click.echo(f"note: {step.rope.reason}", err=True)
         for profile in profiles:
             profile.check_fits(dims.max_context)
-        library = ", kernels/liblade_kernels.so (compiled)" if kernels == "lade" else ""
+        library = (", kernels/liblade_kernels.so (compiled" + ("" if headers_at_hand else "; ONNX Runtime's headers "
+                   "downloaded first, ~150 MB") + ")") if kernels == "lade" else ""
         click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json{library}")
         if engine_options:
             from .backends.tensorrt import (SUPPORTED_MAJORS, describe_precision_plan, installed_tensorrt_major,
@@ -374,6 +392,12 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
         (f", K={profile.lookup}" + (f", B={profile.lookup_branches}" if profile.lookup_branches > 1 else "") + ")"
          if profile.lookup else ")") if profile else "no lookahead"
     click.echo(f"[{mode}, {sampling.describe()}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
+    library = model.artifact.custom_ops_path if backend == "ort" else None
+    if library is not None:
+        from .kernels import running_path
+
+        compute = ((model.artifact.manifest.get("quantization") or {}).get("spec") or {}).get("compute", "float32")
+        click.echo(f"[kernels] lade, {compute} compute: {running_path(library, compute)} path", err=True)
     if backend == "tensorrt":
         click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
                    f"{', '.join(model.engine.loaded_engines)}", err=True)
@@ -704,6 +728,11 @@ def inspect(artifact_dir, as_json):
         spec, quality = q["spec"], q.get("quality") or {}
         kernels = spec.get("kernels", "onnxruntime")
         where = f" ({m['graph']['custom_ops']})" if m["graph"].get("custom_ops") else ""
+        library = q.get("kernels") if isinstance(q.get("kernels"), dict) else {}
+        if kernels == "lade":  # compute type, and the paths the library holds (older builds: float32, unlisted)
+            paths = (library.get("paths") or {}).get(spec.get("compute", "float32"))
+            where = (f" ({m['graph'].get('custom_ops')}; {spec.get('compute', 'float32')} compute"
+                     + (f", paths {', '.join(paths)}" if paths else "") + ")")
         agreement = quality.get("top1_agreement")
         head = f"{spec['head_bits']}-bit" if spec.get("head_bits") else "float32"
         console.print(escape(f"weights: {m['graph'].get('precision')} layers, {head} head and embedding, "

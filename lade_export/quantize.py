@@ -60,11 +60,23 @@ the default.
 ``MatMulNBits`` by ``MatMulBlockQ``, a custom operator compiled into the artifact: the same
 blocks of 32 stored as GGML's Q4_1 (``w = D·code + M``, float16 D and M: a Q4_1 checkpoint's
 blocks as they are) and, for the head and the tied embedding (8 bits by default there),
-Q8_0's; the arithmetic is float32 and each output row is computed from its own input row
-alone, so lookahead stays exact at 4 and at 8 bits, and no residual term is needed. On
-SmolLM2 the artifact is 96 MB instead of 192, its weights are exactly the GGUF's (top-1
-agreement 100%), and a one-token step reads about the bytes llama.cpp's Q4_1 step reads
-(bench/results/README.md has the measured speed).
+Q8_0's. Each output row is computed from its own input row alone, and no residual term is
+needed. The arithmetic is ``compute``: ``float32`` by default, which keeps lookahead exact at
+4 and at 8 bits (on SmolLM2 its weights are exactly the GGUF's, top-1 agreement 100%), or
+``int8`` (``build --compute int8``): each row's activations rounded per block of 32 (GGML's
+Q8_0 activation blocks), integer dot products, the scales applied in float32 in one fixed
+order, bit-identical on every CPU path. The int8 kernels are row-exact, but the rest of the
+step graph is not bit for bit the same in a one-token and a many-token step: attention sums
+over past + step columns (the masked ones are exact zeros, yet ONNX Runtime's MatMul and
+GroupQueryAttention group the sums by length), measured on stories260K as 3.6e-7 apart in
+layer 1's attention output for a 1-row against a 3-row step, on SmolLM2 5e-5 in the logits.
+Float32 weight kernels carry such differences through smoothly (lookahead equals greedy in
+every test); rounding activations to int8 flips a rounding here and there (stories260K int4:
+5 of 15 lookahead outputs left greedy's within 96 tokens; 1 of 15 with every greedy step
+padded to two rows), so int8-compute artifacts say ``lookahead_exact: false`` and decode
+greedily, like ONNX Runtime's int8. On SmolLM2 the artifact is 96 MB instead of 192 and a
+one-token step reads about the bytes llama.cpp's Q4_1 step reads (bench/results/README.md
+has the measured speed).
 
 Attention itself (softmax, the KV cache) stays float32; the I/O contract of the step graph
 (:mod:`lade_export.specs`) does not change. Quality against the float32 graph is measured
@@ -79,7 +91,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ProfileError
-from .kernels import KERNELS
+from .kernels import COMPUTE, KERNELS
 from .sanitize import drop_unused_initializers
 
 #: ``--precision`` values for ONNX Runtime, and the bits each means.
@@ -98,6 +110,11 @@ class QuantSpec:
         accuracy_level: ``MatMulNBits`` compute type: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
             (activations); only 0 and 1 keep lookahead exact (module docstring).
         head_bits: 4 or 8, the LM head's and the token embedding's weights (0: left float32).
+        kernels: ``onnxruntime`` (``MatMulNBits``) or ``lade`` (``MatMulBlockQ``).
+        compute: the lade kernels' arithmetic: ``float32`` (float32 FMAs on the dequantized
+            weights) or ``int8`` (activations rounded per row and block of 32, integer sums;
+            :mod:`lade_export.kernels`). Only ``float32`` with ONNX Runtime's kernels, whose
+            compute type is ``accuracy_level``.
 
     Raises:
         ProfileError: on construction, a value out of range (one line, for the CLI).
@@ -108,6 +125,7 @@ class QuantSpec:
     accuracy_level: int = 1
     head_bits: int = 0
     kernels: str = "onnxruntime"
+    compute: str = "float32"
 
     def __post_init__(self):
         if self.bits not in (4, 8) or self.head_bits not in (0, 4, 8):
@@ -118,44 +136,61 @@ class QuantSpec:
             raise ProfileError(f"--accuracy-level must be 0..4, got {self.accuracy_level}")
         if self.kernels not in KERNELS:
             raise ProfileError(f"--kernels must be {' or '.join(KERNELS)}, got {self.kernels!r}")
+        if self.compute not in COMPUTE:
+            raise ProfileError(f"--compute must be {' or '.join(COMPUTE)}, got {self.compute!r}")
+        if self.compute != "float32" and self.kernels != "lade":
+            raise ProfileError(f"--compute picks the arithmetic of --kernels lade; ONNX Runtime's MatMulNBits takes "
+                               f"--accuracy-level instead: drop --compute {self.compute} or add --kernels lade")
         if self.kernels == "lade" and self.block_size != LANE_BLOCK:
             raise ProfileError(f"--kernels lade uses blocks of {LANE_BLOCK} weights (GGML's Q4_1/Q8_0); "
                                f"drop --block-size {self.block_size}")
 
     @property
     def lookahead_exact(self) -> bool:
-        """Whether the engine computes a token the same in a one-token and a many-token
-        step (float32 compute: accuracy level 0 or 1, or this project's kernels): lookahead
-        is exact only then."""
-        return self.kernels == "lade" or self.accuracy_level in (0, 1)
+        """Whether lookahead decodes the engine's greedy tokens: float32 compute (accuracy
+        level 0 or 1, or this project's kernels with ``compute="float32"``). Not with int8
+        activations: ONNX Runtime's level 4 rounds them differently per row count, and even
+        the lade kernels' row-exact int8 path inherits the float32 differences that the rest
+        of the graph (attention's sums over past + step columns) has between a one-token and
+        a many-token step, and rounding to int8 amplifies them (module docstring)."""
+        if self.kernels == "lade":
+            return self.compute == "float32"
+        return self.accuracy_level in (0, 1)
 
     @classmethod
     def for_precision(cls, precision: str, block_size: int | None = None, accuracy_level: int | None = None,
-                      head_bits: int | None = None, kernels: str = "onnxruntime") -> "QuantSpec":
+                      head_bits: int | None = None, kernels: str = "onnxruntime",
+                      compute: str | None = None) -> "QuantSpec":
         """The spec of ``--precision int4|int8``. With ONNX Runtime's kernels int4 computes
         in float32 (accuracy level 1, exact lookahead) and int8 with int8 activations (level
-        4); the head stays float32 unless ``head_bits``. With ``kernels="lade"`` both compute
-        in float32 and the head defaults to 8 bits.
+        4); the head stays float32 unless ``head_bits``. With ``kernels="lade"`` both take
+        ``compute`` (default ``float32``: exact lookahead; ``int8``: the integer path, the same
+        bits on every CPU, greedy only — see :attr:`lookahead_exact`), and the head defaults
+        to 8 bits.
 
         Raises:
-            ProfileError: ``--accuracy-level`` with ``kernels="lade"`` (whose kernels have one
-                compute type), or a value out of range.
+            ProfileError: ``--accuracy-level`` with ``kernels="lade"`` (whose compute type is
+                ``--compute``), ``--compute`` without it, or a value out of range.
         """
         bits = ORT_PRECISIONS[precision]
         if kernels == "lade":
             if accuracy_level is not None:
                 raise ProfileError(f"--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; "
-                                   f"--kernels lade computes in float32: drop --accuracy-level {accuracy_level}")
-            return cls(bits, block_size or LANE_BLOCK, 0, 8 if head_bits is None else head_bits, kernels)
+                                   f"--kernels lade takes --compute int8|float32: drop --accuracy-level {accuracy_level}")
+            return cls(bits, block_size or LANE_BLOCK, 0, 8 if head_bits is None else head_bits, kernels,
+                       compute or "float32")
         level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)
-        return cls(bits, block_size or 32, level, head_bits or 0, kernels)
+        return cls(bits, block_size or 32, level, head_bits or 0, kernels, compute or "float32")
 
     def as_dict(self) -> dict:
         if self.kernels == "lade":
             head = {0: "float32", 4: "minmax, as the layers (4 bits)",
                     8: "absmax: code = round(w/D) + 128, D = max|w|/127, M = -128·D (GGML Q8_0)"}[self.head_bits]
             return {"bits": self.bits, "head_bits": self.head_bits, "block_size": self.block_size,
-                    "lookahead_exact": True, "kernels": "lade", "compute": "float32",
+                    "lookahead_exact": self.lookahead_exact, "kernels": "lade", "compute": self.compute,
+                    **({"activations": "int8 per row and block of 32: d = max|x|/127, q = round(x/d) (GGML Q8_0 "
+                                       "activation blocks); int32 sums; y += D·(d·Σ code·q) + M·(d·Σq) in float32"}
+                       if self.compute == "int8" else {}),
                     "layers": f"minmax: w = D·code + M per block of 32, {self.bits}-bit codes, float16 D and M"
                               + (" (GGML Q4_1)" if self.bits == 4 else ""),
                     "head_and_embedding": head}
@@ -325,8 +360,10 @@ def dequantize_block_lanes(packed: dict) -> np.ndarray:
     return (codes * d + m).reshape(tiles * LANES, blocks * LANE_BLOCK)[:n].T
 
 
-def _matmul_block_q(graph, node, weight: np.ndarray, bits: int, scheme: str) -> list:
-    """``MatMulBlockQ`` replacing MatMul ``node`` (its packed weight added to ``graph``)."""
+def _matmul_block_q(graph, node, weight: np.ndarray, bits: int, scheme: str, compute: str = "float32") -> list:
+    """``MatMulBlockQ`` replacing MatMul ``node`` (its packed weight added to ``graph``);
+    ``compute="int8"`` sets its attribute ``compute=1`` (float32 leaves it out, as graphs
+    made before the integer path have it)."""
     from onnx import helper, numpy_helper
 
     from .kernels import DOMAIN
@@ -335,8 +372,9 @@ def _matmul_block_q(graph, node, weight: np.ndarray, bits: int, scheme: str) -> 
     base = node.input[1]
     names = [f"{base}_lanes_q{bits}", f"{base}_lanes_d", f"{base}_lanes_m"]
     graph.initializer.extend(numpy_helper.from_array(packed[key], name) for key, name in zip("qdm", names))
+    extra = {"compute": 1} if compute == "int8" else {}
     return [helper.make_node("MatMulBlockQ", [node.input[0], *names], list(node.output), name=f"{node.name}_Q{bits}",
-                             domain=DOMAIN, N=packed["n"])]
+                             domain=DOMAIN, N=packed["n"], **extra)]
 
 
 def _lade_scheme(bits: int, scheme: str) -> str:
@@ -347,7 +385,7 @@ def _lade_scheme(bits: int, scheme: str) -> str:
 def _quantized_matmul(graph, node, weight: np.ndarray, bits: int, spec: QuantSpec, scheme: str) -> list:
     """Nodes replacing MatMul ``node`` with the spec's kernels (``MatMulNBits`` or ``MatMulBlockQ``)."""
     if spec.kernels == "lade":
-        return _matmul_block_q(graph, node, weight, bits, _lade_scheme(bits, scheme))
+        return _matmul_block_q(graph, node, weight, bits, _lade_scheme(bits, scheme), spec.compute)
     return _matmul_nbits(graph, node, weight, bits, spec, scheme)
 
 

@@ -1,7 +1,9 @@
 """This project's block-quantized kernels (``build --kernels lade``): the packed layout holds
 GGML's Q4_1/Q8_0 grids exactly, ``MatMulBlockQ`` matches a float64 product and computes every
-row the same whatever else is in the batch (on the AVX-512 path and the portable one), the
-built artifacts ship the library and keep lookahead exact, and bad input gets one line."""
+row the same whatever else is in the batch (float32 compute: the AVX-512 path and the portable
+one; int8 compute: every integer path, forced one by one, bit-identical to the others), the
+built artifacts ship the library and keep lookahead exact on every path, the headers come from
+the registry with a pinned checksum, and bad input gets one line."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from click.testing import CliRunner
 import lade_export
 from lade_export.cli import main
 from lade_export.errors import ArtifactError, ProfileError
-from lade_export.kernels import LIBRARY, compile_library
+from lade_export.kernels import LIBRARY, PATHS, compile_library, library_paths
 from lade_export.profile import resolve_profile
 from lade_export.quantize import QuantSpec, dequantize_block_lanes, pack_block_lanes
 
@@ -118,6 +120,86 @@ def test_matmul_block_q_matches_float64_and_each_row_is_computed_alone(library):
         assert portable["digest"] != native["digest"]
 
 
+# The integer path (compute=1), in a subprocess per forced path: outputs, whether every row is the
+# same bits alone and inside steps of 2…32 rows (under 1 and 2 threads), and the path that ran.
+_INT_CHECK = r"""
+import hashlib, json, sys
+import numpy as np
+from onnx import TensorProto, helper
+sys.path.insert(0, sys.argv[2])
+from test_kernels import _session, _q4_1_grid, _q8_0_grid
+from lade_export.kernels import running_path
+from lade_export.quantize import pack_block_lanes, dequantize_block_lanes
+rng = np.random.default_rng(5)
+worst, independent, digests = 0.0, True, {}
+for threads in (1, 2):
+    digest = hashlib.sha256()
+    for bits, k, n in ((4, 64, 344), (4, 576, 200), (4, 1536, 48), (8, 128, 96), (8, 64, 520)):
+        w = (_q4_1_grid if bits == 4 else _q8_0_grid)(np.random.default_rng(k + n), k, n)
+        p = pack_block_lanes(w, bits, "minmax" if bits == 4 else "absmax")
+        node = helper.make_node("MatMulBlockQ", ["x", "q", "d", "m"], ["y"], domain="lade_export", N=n, compute=1)
+        s = _session(sys.argv[1], [node], {"q": p["q"], "d": p["d"], "m": p["m"]}, [("x", TensorProto.FLOAT, ["s", k])],
+                     threads=threads)
+        x = np.random.default_rng(k * n).standard_normal((40, k)).astype(np.float32) * 3
+        y = s.run(None, {"x": x})[0]
+        digest.update(y.tobytes())
+        ref = x.astype(np.float64) @ dequantize_block_lanes(p).astype(np.float64)
+        worst = max(worst, float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))))
+        for width in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32):
+            for start in sorted({0, 3, 40 - width}):
+                part = s.run(None, {"x": x[start:start + width]})[0]
+                independent &= bool(np.array_equal(part, y[start:start + width]))
+    digests[threads] = digest.hexdigest()
+print(json.dumps({"path": running_path(sys.argv[1], "int8"), "worst_rel": worst, "independent": independent,
+                  "digests": digests}))
+"""
+
+
+def _forced(path: str | None, script: str, *args) -> dict:
+    env = dict(os.environ)
+    env.pop("LADE_KERNELS_PORTABLE", None)
+    env.pop("LADE_KERNELS_PATH", None)
+    if path is not None:
+        env["LADE_KERNELS_PATH"] = path
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def portable_integer(library):
+    return _forced("portable", _INT_CHECK, library, os.path.dirname(__file__))
+
+
+def _skip_unless_runs(library, path):
+    if not library_paths(library)["int8"][path]:
+        pytest.skip(f"this CPU (or its OS) lacks the {path} path")
+
+
+@pytest.mark.parametrize("path", PATHS["int8"])
+def test_every_integer_path_gives_the_portable_paths_bits_and_computes_each_row_alone(library, portable_integer,
+                                                                                      path):
+    _skip_unless_runs(library, path)
+    got = _forced(path, _INT_CHECK, library, os.path.dirname(__file__))
+    assert got["path"] == path
+    assert got["independent"] is True  # alone, and inside steps of 2…32 rows: the same bits
+    assert got["digests"]["1"] == got["digests"]["2"]  # one thread or two: the same bits
+    assert got["digests"] == portable_integer["digests"]  # every integer path: the same bits
+    assert 1e-3 < got["worst_rel"] < 0.02  # int8 activations: ~0.6% of the largest output off a float64 product
+
+
+def test_the_integer_path_differs_from_float32_compute_and_a_bad_forced_path_is_named(library, portable_integer):
+    floats = _row_check(library, "1")
+    assert floats["worst_rel"] < 2e-6 < portable_integer["worst_rel"]  # really another arithmetic
+    script = ("import sys; from lade_export.kernels import running_path; "
+              "print('{\"path\": \"%s\"}' % running_path(sys.argv[1], 'int8'))")
+    assert _forced("sse9", script, library)["path"] == (
+        "error: LADE_KERNELS_PATH=sse9 is none of amx, avx512vnni, avxvnni, avx2, avx512 (float32 compute), portable")
+    assert _forced(None, script, library)["path"] == next(p for p in PATHS["int8"] if library_paths(library)["int8"][p])
+    assert _forced("", script, library)["path"] == _forced(None, script, library)["path"]  # empty: not forced
+
+
 def test_gather_block_q_returns_table_rows_and_names_bad_input(library):
     from onnx import TensorProto, helper
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
@@ -159,22 +241,128 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     assert (spec["kernels"], spec["bits"], spec["head_bits"], spec["compute"]) == ("lade", 4, 8, "float32")
     assert m["default_profile"] == "default-int4"
     assert m["quantization"]["quality"]["top1_agreement"] > 0.85  # 4-bit stories260K: 90% measured
+    kernels = m["quantization"]["kernels"]
+    assert kernels["paths"] == {"int8": ["amx", "avx512vnni", "avxvnni", "avx2", "portable"],
+                                "float32": ["avx512", "portable"]}
+    assert kernels["compute"] == "float32" and kernels["path_at_build"] in PATHS["float32"]
     graph = onnx.load(str(stories_lade / "model.onnx"), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
     # 5 layers × (q/k/v, o, gate/up) + the head; the 172-wide down projection is no multiple of 32 and stays float32
     assert ops.count("MatMulBlockQ") == 16 and ops.count("GatherBlockQ") == 1
+    # float32 compute: no compute attribute, as in graphs made before the integer path
+    assert not [a for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
     weights = {i.name for i in graph.graph.initializer}
     assert "MatMulNBits" not in ops
     assert sum(n.op_type == "MatMul" and n.input[1] in weights for n in graph.graph.node) == 5
     shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_lade)]).output.split())
-    assert ("weights: int4 layers, 8-bit head and embedding, lade kernels (kernels/liblade_kernels.so); lookahead "
-            "exact: True; top-1 agreement with float32") in shown
+    assert ("weights: int4 layers, 8-bit head and embedding, lade kernels (kernels/liblade_kernels.so; float32 "
+            "compute, paths avx512, portable); lookahead exact: True; top-1 agreement with float32") in shown
+    result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--max-new-tokens", "4"])
+    assert result.exit_code == 0
+    assert f"[kernels] lade, float32 compute: {kernels['path_at_build']} path" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def stories_int8c(tmp_path_factory, stories_dir, stories_loaded):
+    from lade_export.build import build_artifact
+
+    out = tmp_path_factory.mktemp("lade-int8c") / "art"
+    build_artifact(str(stories_dir), [resolve_profile("greedy-only")], out, loaded=stories_loaded,
+                   quantization=QuantSpec.for_precision("int4", kernels="lade", compute="int8"))
+    return out
+
+
+def test_an_int8_compute_build_records_its_paths_and_decodes_greedily(stories_int8c, stories_dir, tmp_path):
+    import onnx
+
+    m = json.loads((stories_int8c / "manifest.json").read_text())
+    spec, kernels = m["quantization"]["spec"], m["quantization"]["kernels"]
+    assert (spec["compute"], spec["lookahead_exact"], m["graph"]["lookahead_exact"]) == ("int8", False, False)
+    assert kernels["compute"] == "int8" and kernels["path_at_build"] in PATHS["int8"]
+    assert m["quantization"]["quality"]["top1_agreement"] > 0.85  # 4-bit stories260K, int8 activations: 89.5%
+    graph = onnx.load(str(stories_int8c / "model.onnx"), load_external_data=False)
+    computes = [a.i for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
+    assert computes == [1] * 16
+    shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_int8c)]).output.split())
+    assert ("lade kernels (kernels/liblade_kernels.so; int8 compute, paths amx, avx512vnni, avxvnni, avx2, portable); "
+            "lookahead exact: False; top-1 agreement with float32 89.5%") in shown
+    result = CliRunner().invoke(main, ["generate", str(stories_int8c), "--prompt", "Once", "--max-new-tokens", "4"])
+    assert result.exit_code == 0
+    assert f"[kernels] lade, int8 compute: {kernels['path_at_build']} path" in result.stderr
+    with pytest.raises(ProfileError, match="this engine computes one-token and multi-token steps differently"):
+        lade_export.load(stories_int8c).generate("Once upon a time", max_new_tokens=8, profile="default")
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade",
+                                       "--compute", "int8", "--profile", "default", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "error: --compute int8 rounds each row's activations to int8, which amplifies the float32 differences between "
+        "a one-token and a many-token step in the rest of the graph (attention), so lookahead would not be exact; "
+        "give --profile greedy-only, or --compute float32")
+    assert not (tmp_path / "o").exists()
 
 
 def test_lookahead_equals_greedy_on_the_lade_engine(stories_lade, reference_greedy):
     from .test_quantize import assert_lookahead_equals_greedy
 
     assert_lookahead_equals_greedy(stories_lade, reference_greedy)
+
+
+# Greedy decoding of an int8-compute artifact, in a subprocess per forced path: the tokens (and a
+# digest of the logits of a 32-token step) that path gives, under 1 or 2 threads.
+_DECODE_CHECK = r"""
+import hashlib, json, sys
+import numpy as np
+import lade_export
+from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
+from lade_export.kernels import running_path
+model = lade_export.load(sys.argv[1], threads=int(sys.argv[3]))
+model.decoder.stop_token_ids = frozenset()
+greedy = [model.generate(ids, max_new_tokens=96, lookahead=False).token_ids for ids in json.loads(sys.argv[2])]
+engine, dims = model.decoder.engine, model.artifact.dims
+ids = greedy[0][:32]
+logits = run_sequence_major(engine, {**causal_feeds(ids, 0, logit_rows=np.arange(32)), **empty_past_feeds(dims)},
+                            with_logits=True)["logits"]
+print(json.dumps({"path": running_path(model.artifact.custom_ops_path, "int8"), "greedy": greedy,
+                  "logits": hashlib.sha256(logits.tobytes()).hexdigest()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_int8c(tmp_path_factory):
+    from lade_export.build import build_artifact
+
+    from .conftest import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-lade")
+    ckpt = tiny_checkpoint(root / "ckpt", seed=7)
+    out = root / "art"
+    build_artifact(str(ckpt), [resolve_profile("greedy-only")], out,
+                   quantization=QuantSpec.for_precision("int4", kernels="lade", compute="int8"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def portable_decodes(stories_int8c, tiny_int8c, reference_greedy):
+    prompts = json.dumps([c["prompt_ids"] for c in reference_greedy["cases"]])
+    return {name: _forced("portable", _DECODE_CHECK, art, prompts, 2)
+            for name, art in (("stories", stories_int8c), ("tiny", tiny_int8c))}
+
+
+@pytest.mark.parametrize("path", PATHS["int8"])
+@pytest.mark.parametrize("which", ["stories", "tiny"])
+def test_every_forced_integer_path_decodes_the_same_tokens(library, stories_int8c, tiny_int8c, reference_greedy,
+                                                           portable_decodes, which, path):
+    _skip_unless_runs(library, path)
+    art = stories_int8c if which == "stories" else tiny_int8c
+    prompts = json.dumps([c["prompt_ids"] for c in reference_greedy["cases"]])
+    for threads in (1, 2):
+        got = portable_decodes[which] if path == "portable" and threads == 2 else \
+            _forced(path, _DECODE_CHECK, art, prompts, threads)
+        assert got["path"] == path
+        assert got["greedy"] == portable_decodes[which]["greedy"]  # every path, any thread count: the same tokens
+        assert got["logits"] == portable_decodes[which]["logits"]  # and the same logits, bit for bit
+        assert [len(g) for g in got["greedy"]] == [96, 96, 96]
+    if which == "stories":  # 4-bit weights and int8 activations still tell the story's greedy start
+        assert got["greedy"][0][:8] == reference_greedy["cases"][0]["greedy_ids"][:8]
 
 
 def test_threads_share_a_lade_engine(stories_lade):
@@ -194,13 +382,18 @@ def test_threads_share_a_lade_engine(stories_lade):
     assert got == alone
 
 
-def test_int8_with_lade_kernels_is_exact_and_looks_ahead(tmp_path, stories_dir, stories_loaded):
+def test_int8_with_float32_compute_lade_kernels_is_exact_and_looks_ahead(tmp_path, stories_dir, stories_loaded):
+    import onnx
+
     from lade_export.build import build_artifact
 
     out = tmp_path / "int8"
     m = build_artifact(str(stories_dir), [resolve_profile("default-int4")], out, loaded=stories_loaded,
-                       quantization=QuantSpec.for_precision("int8", kernels="lade"))
+                       quantization=QuantSpec.for_precision("int8", kernels="lade", compute="float32"))
     assert m["graph"]["lookahead_exact"] is True and m["quantization"]["quality"]["top1_agreement"] > 0.97
+    assert m["quantization"]["spec"]["compute"] == m["quantization"]["kernels"]["compute"] == "float32"
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False)  # as graphs made before the integer path
+    assert not [a for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
     model = lade_export.load(out)
     greedy = model.generate("Once upon a time", max_new_tokens=64, lookahead=False)
     for profile in ("default-int4", "default", "paper"):
@@ -219,19 +412,70 @@ def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_a_build_without_the_headers_stops_before_any_work(tmp_path, stories_dir, monkeypatch):
+def test_a_build_offline_without_the_headers_stops_before_any_work(tmp_path, stories_dir, monkeypatch):
     """The other refused --kernels combinations are rows of docs/errors.md (tests/test_errors.py)."""
+    import lade_export.kernels as kernels
+
     monkeypatch.delenv("LADE_ORT_INCLUDE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no headers in HOME's cache
+    missing = (tmp_path / "offline.tgz").as_uri()  # a download that cannot succeed, like one without a network
+    monkeypatch.setattr(kernels, "HEADERS_URL", missing)
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade",
                                        "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert result.stderr.strip() == (
-        "error: --kernels lade needs ONNX Runtime's C/C++ headers (onnxruntime_cxx_api.h) in $LADE_ORT_INCLUDE or "
-        "~/.cache/lade-export/ort-include; run `bash scripts/fetch_ort_headers.sh`")
-    assert not (tmp_path / "o").exists()
+        f"error: --kernels lade needs ONNX Runtime's C/C++ headers and could not download them "
+        f"(com.github.asus4.onnxruntime@0.4.9 from {missing}: [Errno 2] No such file or directory: "
+        f"'{tmp_path / 'offline.tgz'}'); connect, or set $LADE_ORT_INCLUDE to a folder holding onnxruntime_cxx_api.h")
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".cache" / "lade-export" / "ort-include").exists()
     with pytest.raises(ProfileError, match="--kernels must be onnxruntime or lade, got 'mlas'"):
         QuantSpec(4, kernels="mlas")
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--compute", "int8",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "error: --compute picks the arithmetic of --kernels lade; ONNX Runtime's MatMulNBits takes --accuracy-level "
+        "instead: drop --compute int8 or add --kernels lade")
+
+
+def _headers_tarball(path, headers=("onnxruntime_cxx_api.h", "onnxruntime_c_api.h")):
+    """A tarball laid out like the npm package: the headers inside the iOS framework, and other files."""
+    import io
+    import tarfile
+
+    from lade_export.kernels import HEADERS_IN_PACKAGE
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in [(HEADERS_IN_PACKAGE + h, f"// {h}\n") for h in headers] + [("package/package.json", "{}")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def test_headers_are_fetched_from_the_registry_package_and_checked(tmp_path, monkeypatch):
+    import base64
+    import hashlib
+
+    import lade_export.kernels as kernels
+    from lade_export.errors import BackendUnavailableError
+
+    tarball = _headers_tarball(tmp_path / "pkg.tgz")
+    dest = tmp_path / "cache" / "ort-include"
+    with pytest.raises(BackendUnavailableError, match=r"the ONNX Runtime headers' tarball from file://.*pkg.tgz has "
+                                                      r"sha512 .*, not the pinned BkzxduSZ9I.*; nothing was installed"):
+        kernels.fetch_headers(dest, tarball.as_uri())
+    assert not dest.exists() and sorted(p.name for p in dest.parent.iterdir()) == []  # nothing half-written
+    monkeypatch.setattr(kernels, "HEADERS_SHA512", base64.b64encode(hashlib.sha512(tarball.read_bytes()).digest()).decode())
+    assert kernels.fetch_headers(dest, tarball.as_uri()) == dest
+    assert sorted(p.name for p in dest.iterdir()) == ["onnxruntime_c_api.h", "onnxruntime_cxx_api.h"]
+    assert (dest / "onnxruntime_cxx_api.h").read_text() == "// onnxruntime_cxx_api.h\n"
+    tarball.unlink()  # present headers: nothing is fetched
+    assert kernels.fetch_headers(dest, tarball.as_uri()) == dest
+    empty = _headers_tarball(tmp_path / "empty.tgz", headers=("cpu_provider_factory.h",))
+    monkeypatch.setattr(kernels, "HEADERS_SHA512", base64.b64encode(hashlib.sha512(empty.read_bytes()).digest()).decode())
+    with pytest.raises(BackendUnavailableError, match=r"holds no package/Plugins/.*/Headers/onnxruntime_cxx_api.h"):
+        kernels.fetch_headers(tmp_path / "other", empty.as_uri())
+    assert not (tmp_path / "other").exists()
 
 
 def test_toolchain_problems_are_named(tmp_path, monkeypatch):
@@ -261,6 +505,12 @@ def test_dry_run_checks_the_toolchain_and_names_the_library(tmp_path, stories_di
     monkeypatch.setenv("LADE_ORT_INCLUDE", str(tmp_path))
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "which holds no onnxruntime_cxx_api.h" in result.stderr
+    monkeypatch.delenv("LADE_ORT_INCLUDE")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no cached headers: a dry run names the download, fetches nothing
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "kernels/liblade_kernels.so (compiled; ONNX Runtime's headers downloaded first, ~150 MB)" in result.output
+    assert not (tmp_path / ".cache").exists()
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--engine", "tensorrt", "--precision",
                                        "int4", "--kernels", "lade", "--out", str(tmp_path / "o")])
     assert result.stderr.strip().startswith("error: --kernels lade makes ONNX Runtime custom operators")

@@ -13,26 +13,55 @@ operators": a shared library exporting ``RegisterCustomOps``, loaded with
 * ``GatherBlockQ(Q, D, M, ids int64[...]) -> float[..., K]`` (attribute ``N``): rows of the
   same table, i.e. a tied token embedding read from the LM head's own tensors.
 
-They compute in float32, and each output row only from its own input row in a fixed order,
-so a token's logits are bit for bit the same in a one-token step and in a many-token step:
-lookahead stays exact (ONNX Runtime's ``MatMulNBits`` either computes in float32 slowly or
-rounds activations to int8 differently for one row and for several; see
-:mod:`lade_export.quantize`). The packed layout puts 16 output columns in the 32-bit lanes of
-a 512-bit vector (:func:`lade_export.quantize.pack_block_lanes`), so the AVX-512 path
-dequantizes with one AND and one conversion per 16 weights; other CPUs take a portable path.
+``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
+
+* ``float32`` (``compute=0``, an attribute absent in older graphs; the default of
+  ``--kernels lade`` builds): float32 FMAs on the dequantized weights, AVX-512 or portable
+  (the two sum in different orders), each row computed alone: lookahead stays exact.
+* ``int8`` (``compute=1``, ``build --compute int8``): each row's activations are rounded per
+  block of 32 to int8 with a float32 scale of their own (GGML's Q8_0 activation blocks:
+  ``d = max|x|/127``, ``q = round(x/d)``), the weight × activation sums are int32
+  (``VPDPBUSD`` on AVX512-VNNI or AVX-VNNI, ``TDPBSUD`` on AMX tiles, ``VPMADDUBSW`` /
+  ``VPMADDWD`` on AVX2, plain C++ on other CPUs), and the scales are applied in float32 in one
+  fixed order. Integer sums are exact, so **every integer path gives the same bits** — an
+  artifact decodes the same tokens on any CPU — and a row depends on nothing but itself (not
+  the step's row count, not the thread split). Lookahead is still not exact on such a graph,
+  because the rest of it (attention) is not bit for bit the same in a one-token and a
+  many-token step and int8 rounding amplifies that (:mod:`lade_export.quantize`): these
+  artifacts decode greedily.
+
+The path is chosen once per process, best first: ``amx`` → ``avx512vnni`` → ``avxvnni`` →
+``avx2`` → ``portable`` (int8), ``avx512`` → ``portable`` (float32). ``$LADE_KERNELS_PATH``
+forces one (tests; an integer name also picks the float32 path it implies: ``amx`` and
+``avx512vnni`` → ``avx512``, the others → ``portable``); ``LADE_KERNELS_PORTABLE=1`` means
+``LADE_KERNELS_PATH=portable``. A forced path the CPU lacks, or an unknown name, makes every
+session on the library fail to load, naming it. :func:`library_paths` and
+:func:`running_path` read the library's own answer (C functions ``lade_kernels_paths`` and
+``lade_kernels_path``, through ctypes: no ONNX Runtime, no torch). AMX needs the Linux tile
+state, which the library asks for (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``)
+before it counts AMX as available.
+
+The packed layout puts 16 output columns in the 32-bit lanes of a 512-bit vector
+(:func:`lade_export.quantize.pack_block_lanes`): 8-bit codes are the 4-byte groups
+``VPDPBUSD`` and AMX's B tiles take as they are, 4-bit codes are two such groups after one
+AND and one shift.
 
 The library is compiled at build time (g++ or ``$CXX``, C++17) against ONNX Runtime's C/C++
-API headers — found in ``$LADE_ORT_INCLUDE`` or ``~/.cache/lade-export/ort-include``
-(``bash scripts/fetch_ort_headers.sh`` puts them there) — and shipped inside the artifact,
-so decoding needs neither a compiler nor the headers. API version 29 (ONNX Runtime 1.29) or
-later is required at run time.
+API headers — found in ``$LADE_ORT_INCLUDE`` or ``~/.cache/lade-export/ort-include``, where
+:func:`fetch_headers` puts them (from the npm registry's ``com.github.asus4.onnxruntime``
+package, checked against a pinned sha512; ``build --kernels lade`` calls it when they are
+missing) — and shipped inside the artifact, so decoding needs neither a compiler nor the
+headers. API version 29 (ONNX Runtime 1.29) or later is required at run time.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -40,6 +69,10 @@ from ..errors import BackendUnavailableError
 
 #: ``--kernels``: ONNX Runtime's own ``MatMulNBits``, or this project's.
 KERNELS = ("onnxruntime", "lade")
+#: ``--compute`` of ``--kernels lade``: int8 activations with integer sums (default), or float32.
+COMPUTE = ("int8", "float32")
+#: The library's paths per compute type, best first (names of ``$LADE_KERNELS_PATH``).
+PATHS = {"int8": ("amx", "avx512vnni", "avxvnni", "avx2", "portable"), "float32": ("avx512", "portable")}
 #: File name of the compiled library inside an artifact (``graph.custom_ops`` in the manifest).
 LIBRARY = "kernels/liblade_kernels.so"
 #: The custom-op domain of the operators.
@@ -48,25 +81,103 @@ SOURCE = Path(__file__).with_name("block_quant_ops.cc")
 HEADER = "onnxruntime_cxx_api.h"
 
 
-def header_dir() -> Path:
-    """Directory holding ONNX Runtime's C/C++ API headers.
+#: Where ONNX Runtime's headers come from: the npm registry's com.github.asus4.onnxruntime
+#: (MIT), which carries the official ONNX Runtime 1.29 release headers (C API version 29)
+#: inside its iOS framework; PyPI's onnxruntime wheels ship none. The sha512 is the
+#: registry's ``dist.integrity`` of that version.
+HEADERS_PACKAGE = "com.github.asus4.onnxruntime@0.4.9"
+HEADERS_URL = "https://registry.npmjs.org/com.github.asus4.onnxruntime/-/com.github.asus4.onnxruntime-0.4.9.tgz"
+HEADERS_SHA512 = "BkzxduSZ9IkeDP6Q8lz2TFU2ie7hSSvS7ZIfzMooExoq0CNzJnuuGaUJ7IsojBgqO4ouD1jXah8OYyJbCN29Fg=="
+HEADERS_IN_PACKAGE = "package/Plugins/iOS~/onnxruntime.xcframework/ios-arm64_x86_64-simulator/onnxruntime.framework/Headers/"
+
+
+def header_cache() -> Path:
+    """``~/.cache/lade-export/ort-include``: where :func:`fetch_headers` puts the headers."""
+    return Path.home() / ".cache" / "lade-export" / "ort-include"
+
+
+def fetch_headers(dest: str | Path | None = None, url: str | None = None, timeout: float = 60.0) -> Path:
+    """Download ONNX Runtime's C/C++ API headers (the ``*.h`` of :data:`HEADERS_PACKAGE`'s
+    tarball, ~150 MB, checked against :data:`HEADERS_SHA512`) into ``dest`` (default
+    :func:`header_cache`), written to a temporary folder beside it and renamed; nothing is
+    fetched when ``dest`` already holds them.
+
+    Args:
+        dest: target folder.
+        url: the tarball (default :data:`HEADERS_URL`; any URL urllib opens, ``file://`` too).
+        timeout: seconds for the connection.
+
+    Returns:
+        ``dest``.
 
     Raises:
-        BackendUnavailableError: ``$LADE_ORT_INCLUDE`` is set and lacks ``onnxruntime_cxx_api.h``,
-            or it is unset and ``~/.cache/lade-export/ort-include`` lacks it.
+        BackendUnavailableError: the download failed (offline, HTTP error), the tarball's
+            sha512 is not the pinned one, or it holds no ``onnxruntime_cxx_api.h``.
+    """
+    import urllib.request
+
+    dest = Path(dest) if dest is not None else header_cache()
+    if (dest / HEADER).is_file():
+        return dest
+    url = url or HEADERS_URL
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".ort-headers-", dir=dest.parent) as work:
+        tarball = Path(work) / "package.tgz"
+        digest = hashlib.sha512()
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(tarball, "wb") as out:
+                while chunk := response.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", None) or err
+            raise BackendUnavailableError(
+                f"--kernels lade needs ONNX Runtime's C/C++ headers and could not download them ({HEADERS_PACKAGE} "
+                f"from {url}: {str(reason).splitlines()[0] if str(reason) else type(err).__name__}); connect, or set "
+                f"$LADE_ORT_INCLUDE to a folder holding {HEADER}") from None
+        got = base64.b64encode(digest.digest()).decode()
+        if got != HEADERS_SHA512:
+            raise BackendUnavailableError(f"the ONNX Runtime headers' tarball from {url} has sha512 {got}, not the "
+                                          f"pinned {HEADERS_SHA512}; nothing was installed")
+        staged = Path(work) / "include"
+        staged.mkdir()
+        with tarfile.open(tarball, "r:gz") as tar:
+            for member in tar:
+                name = member.name[len(HEADERS_IN_PACKAGE):] if member.name.startswith(HEADERS_IN_PACKAGE) else ""
+                if member.isfile() and name.endswith(".h") and "/" not in name:
+                    (staged / name).write_bytes(tar.extractfile(member).read())
+        if not (staged / HEADER).is_file():
+            raise BackendUnavailableError(f"the tarball from {url} holds no {HEADERS_IN_PACKAGE}{HEADER}")
+        if (dest / HEADER).is_file():  # another build got there first
+            return dest
+        if dest.exists():
+            shutil.rmtree(dest)
+        staged.replace(dest)
+    return dest
+
+
+def header_dir(fetch: bool = True) -> Path:
+    """Directory holding ONNX Runtime's C/C++ API headers: ``$LADE_ORT_INCLUDE`` when set,
+    else :func:`header_cache`, which :func:`fetch_headers` fills when empty and ``fetch``.
+
+    Raises:
+        BackendUnavailableError: ``$LADE_ORT_INCLUDE`` is set and lacks ``onnxruntime_cxx_api.h``;
+            the cache lacks it and ``fetch`` is false; or fetching failed (:func:`fetch_headers`).
     """
     named = os.environ.get("LADE_ORT_INCLUDE")
     if named:  # a directory the user named is the only one looked at
         if (Path(named) / HEADER).is_file():
             return Path(named)
         raise BackendUnavailableError(f"$LADE_ORT_INCLUDE is {named}, which holds no {HEADER}; point it at ONNX "
-                                      f"Runtime's include/ folder, or unset it and run `bash scripts/fetch_ort_headers.sh`")
-    cached = Path.home() / ".cache" / "lade-export" / "ort-include"
+                                      f"Runtime's include/ folder, or unset it to let the build download them")
+    cached = header_cache()
     if (cached / HEADER).is_file():
         return cached
-    raise BackendUnavailableError(
-        f"--kernels lade needs ONNX Runtime's C/C++ headers ({HEADER}) in $LADE_ORT_INCLUDE or "
-        f"~/.cache/lade-export/ort-include; run `bash scripts/fetch_ort_headers.sh`")
+    if not fetch:
+        raise BackendUnavailableError(
+            f"--kernels lade needs ONNX Runtime's C/C++ headers ({HEADER}) in $LADE_ORT_INCLUDE or "
+            f"~/.cache/lade-export/ort-include; a build downloads them ({HEADERS_PACKAGE}, ~150 MB)")
+    return fetch_headers(cached)
 
 
 def find_compiler() -> str:
@@ -91,22 +202,85 @@ def find_compiler() -> str:
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 
 
-def cpu_has_avx512(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU runs the kernels' AVX-512 path (None: unknown, no ``/proc/cpuinfo``).
-    Without it they take a portable path that is about 12× slower (measured on SmolLM2)."""
+#: CPU features the integer path's AVX2 form needs (below it: portable C++).
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+
+
+def _cpu_has(wanted, cpuinfo) -> bool | None:
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
         return None
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
-    return None if flags is None else all(f in flags for f in AVX512_FLAGS)
+    return None if flags is None else all(f in flags for f in wanted)
 
 
-def require_toolchain() -> None:
-    """Check that :func:`compile_library` can run (a compiler and the headers), before a build
-    starts. Raises BackendUnavailableError as they do."""
+def cpu_has_avx512(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU runs the float32-compute kernels' AVX-512 path (None: unknown, no
+    ``/proc/cpuinfo``). Without it they take a portable path that is about 12× slower
+    (measured on SmolLM2)."""
+    return _cpu_has(AVX512_FLAGS, cpuinfo)
+
+
+def cpu_has_avx2(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU runs at least the integer path's AVX2 form (None: unknown)."""
+    return _cpu_has(AVX2_FLAGS, cpuinfo)
+
+
+def require_toolchain(fetch: bool = True) -> bool:
+    """Check that :func:`compile_library` can run (a compiler and the headers, downloaded now
+    when missing and ``fetch``), before a build starts.
+
+    Returns:
+        whether the headers are at hand (False only when ``fetch`` is false and the cache,
+        the only place looked at, lacks them: a build would download them).
+
+    Raises:
+        BackendUnavailableError: as :func:`find_compiler` and :func:`header_dir` do.
+    """
     find_compiler()
-    header_dir()
+    if not fetch and not os.environ.get("LADE_ORT_INCLUDE") and not (header_cache() / HEADER).is_file():
+        return False
+    header_dir(fetch)
+    return True
+
+
+def _library(path: str | Path):
+    import ctypes
+
+    lib = ctypes.CDLL(str(Path(path).resolve()))
+    lib.lade_kernels_path.restype = ctypes.c_char_p
+    lib.lade_kernels_path.argtypes = [ctypes.c_int]
+    lib.lade_kernels_paths.restype = ctypes.c_char_p
+    return lib
+
+
+def library_paths(path: str | Path) -> dict:
+    """The paths a compiled library holds and whether this process can take each.
+
+    Returns:
+        ``{"int8": {"amx": bool, "avx512vnni": …, "avxvnni": …, "avx2": …, "portable": True},
+        "float32": {"avx512": bool, "portable": True}}`` (AMX: the CPU has it and Linux granted
+        the tile state).
+
+    Raises:
+        OSError: ``path`` is not a loadable library, or one without these functions (a
+            library built before the integer path: AttributeError).
+    """
+    pairs = dict(item.split(":") for item in _library(path).lade_kernels_paths().decode().split(","))
+    return {"int8": {name: pairs[name] == "1" for name in PATHS["int8"]},
+            "float32": {"avx512": pairs["avx512"] == "1", "portable": True}}
+
+
+def running_path(path: str | Path, compute: str) -> str:
+    """The path the library at ``path`` takes in this process for ``compute`` (``"int8"`` or
+    ``"float32"``): a name of :data:`PATHS`, or ``"error: …"`` when ``$LADE_KERNELS_PATH``
+    cannot be honoured (then sessions on it fail to load). Chosen once per process (the
+    library reads the environment on first use)."""
+    try:
+        return _library(path).lade_kernels_path(1 if compute == "int8" else 0).decode()
+    except AttributeError:  # a library built before the paths were reported: float32 compute only
+        return "avx512 or portable (this library does not report its path)"
 
 
 def compile_library(dest: str | Path) -> Path:
@@ -123,7 +297,9 @@ def compile_library(dest: str | Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".compiling-", suffix=".so", dir=dest.parent)
     os.close(fd)
-    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wno-maybe-uninitialized",
+    # -ffp-contract=off: no FMA the source does not write, so every path's float epilogue is the same
+    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off",
+               "-Wno-maybe-uninitialized",
                f"-I{include}", str(SOURCE), "-o", tmp]
     try:
         done = subprocess.run(command, capture_output=True, text=True)

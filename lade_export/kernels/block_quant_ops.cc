@@ -32,7 +32,10 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define LADE_X86 1
 #endif
 
@@ -189,27 +192,496 @@ LADE_AVX512 void tiles_avx512(const Job& job, int64_t t0, int64_t t1) {
   }
 }
 
-bool portable_forced() {  // LADE_KERNELS_PORTABLE=1 forces the portable path (tests of it on AVX-512 machines)
-  const char* value = std::getenv("LADE_KERNELS_PORTABLE");
-  return value != nullptr && std::strcmp(value, "1") == 0;
+#endif
+
+// ---- exact integer path (attribute compute = 1) --------------------------------------------
+// Activations: each row, each block of 32 along K, quantized alone (GGML's Q8_0 activation
+// blocks: d = max|x| / 127, q = round(x / d) ∈ [−127, 127], here as round-half-even of x · 127/max|x|),
+// with s = d · Σq. Then Y[r, n] = Σ_b D·(d_b · Σ_j code_j·q_j) + M·s_b: the inner sums are int32
+// (exact on every path, in any order), and every path applies the scales in one order:
+//   u = float(isum) · d_b;  y = fma(D, u, y);  y = fma(M, s_b, y)      for b = 0, 1, …
+// so the integer paths (AMX, AVX512-VNNI, AVX-VNNI, AVX2, portable) give bit-identical outputs.
+// A row's q holds each block's 32 values in the order the packed lanes pair them with codes:
+// 8 bits: j; 4 bits: per group of 8 (one 32-bit lane word), the low nibbles j = 0, 2, 4, 6 then
+// the high ones j = 1, 3, 5, 7.
+
+struct IJob : Packed {
+  const int8_t* qa;     // [rows, K] quantized activations, kernel order within each block
+  const float* dx;      // [rows, K/32] activation scales d
+  const float* sx;      // [rows, K/32] d · Σq
+  const int32_t* qsum;  // [rows, K/32] Σq
+  int64_t rows, k;
+  float* y;             // [rows, N]
+  int64_t chunk;        // tiles per parallel task
+  int path;
+};
+
+inline int kernel_position(int bits, int j) {  // where element j of a block sits in the row's q
+  if (bits == 8) return j;
+  const int g = j / 8, e = j % 8;
+  return 8 * g + (e & 1 ? 4 : 0) + e / 2;
 }
 
-bool has_avx512() {
-  static const bool yes = !portable_forced() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return yes;
+// One row of activations: the same scalar code on every path (float32, no contraction).
+void quantize_row(const float* x, int64_t k, int bits, int8_t* q, float* dx, float* sx, int32_t* qsum) {
+  const float round_magic = 12582912.0f;  // 1.5·2^23: (t + magic) − magic rounds |t| < 2^22 half to even
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* v = x + b * kBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      float t = v[j] * inv;
+      t = (t + round_magic) - round_magic;
+      int qi = static_cast<int>(t);
+      qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
+      q[b * kBlock + kernel_position(bits, j)] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(sum);
+    qsum[b] = sum;
+  }
+}
+
+inline float epilogue(float y, float dcol, float mcol, int32_t isum, float d, float s) {
+  const float u = static_cast<float>(isum) * d;
+  y = std::fma(dcol, u, y);
+  return std::fma(mcol, s, y);
+}
+
+void itiles_portable(const IJob& job, int64_t t0, int64_t t1) {
+  const int per = 32 / job.bits, groups = job.bits;
+  const uint32_t mask = (1u << job.bits) - 1;
+  const int64_t blocks = job.k / kBlock;
+  int pos[kBlock];
+  for (int j = 0; j < kBlock; ++j) pos[j] = kernel_position(job.bits, j);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < job.rows; ++r)
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t col = t * 16 + lane;
+        if (col >= job.n) break;
+        float y = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = t * blocks + b;
+          const uint32_t* v = reinterpret_cast<const uint32_t*>(job.q + at * groups * 64);
+          const int8_t* qa = job.qa + r * job.k + b * kBlock;
+          int32_t isum = 0;
+          for (int g = 0; g < groups; ++g)
+            for (int e = 0; e < per; ++e) {
+              const int32_t code = static_cast<int32_t>((v[g * 16 + lane] >> (job.bits * e)) & mask);
+              isum += code * qa[pos[per * g + e]];
+            }
+          y = epilogue(y, half_to_float(job.d[at * 16 + lane]), half_to_float(job.m[at * 16 + lane]), isum,
+                       job.dx[r * blocks + b], job.sx[r * blocks + b]);
+        }
+        job.y[r * job.n + col] = y;
+      }
+}
+
+#ifdef LADE_X86
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// -- AVX512-VNNI: VPDPBUSD (unsigned codes × signed activations, 4 per 32-bit lane) ------------
+#define LADE_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+LADE_VNNI512 inline __m512 epilogue512(__m512 y, __m512 d, __m512 m, __m512i isum, float dx, float sx) {
+  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dx));
+  y = _mm512_fmadd_ps(d, u, y);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(sx), y);
+}
+
+template <int BITS, int R, int T>
+LADE_VNNI512 void itile_vnni512(const IJob& job, int64_t tile, int64_t row) {
+  constexpr int G = BITS;
+  const int64_t blocks = job.k / kBlock;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 y[T][R];
+  for (int c = 0; c < T; ++c)
+    for (int r = 0; r < R; ++r) y[c][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i acc[T][R];
+    for (int c = 0; c < T; ++c)
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_si512();
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < T; ++c) {
+        const __m512i v = _mm512_loadu_si512(job.q + (((tile + c) * blocks + b) * G + g) * 64);
+        if (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = job.qa + (row + r) * job.k + b * kBlock + 8 * g;
+            acc[c][r] = _mm512_dpbusd_epi32(acc[c][r], lo, _mm512_set1_epi32(load4(a)));
+            acc[c][r] = _mm512_dpbusd_epi32(acc[c][r], hi, _mm512_set1_epi32(load4(a + 4)));
+          }
+        } else {
+          for (int r = 0; r < R; ++r)
+            acc[c][r] = _mm512_dpbusd_epi32(acc[c][r], v,
+                                            _mm512_set1_epi32(load4(job.qa + (row + r) * job.k + b * kBlock + 4 * g)));
+        }
+      }
+    }
+    for (int c = 0; c < T; ++c) {
+      const int64_t at = ((tile + c) * blocks + b) * 16;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(job.d + at)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(job.m + at)));
+      for (int r = 0; r < R; ++r)
+        y[c][r] = epilogue512(y[c][r], d, m, acc[c][r], job.dx[(row + r) * blocks + b], job.sx[(row + r) * blocks + b]);
+    }
+  }
+  for (int c = 0; c < T; ++c) {
+    const int64_t col = (tile + c) * 16;
+    const int64_t valid = std::min<int64_t>(16, job.n - col);
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(job.y + (row + r) * job.n + col, keep, y[c][r]);
+  }
+}
+
+template <int BITS, int R, int T>
+LADE_VNNI512 void isweep_vnni512(const IJob& job, int64_t t0, int64_t t1, int64_t row) {
+  int64_t t = t0;
+  for (; t + T <= t1; t += T) itile_vnni512<BITS, R, T>(job, t, row);
+  for (; t < t1; ++t) itile_vnni512<BITS, R, 1>(job, t, row);
+}
+
+// Rows in groups of up to 8: each group reads the task's weights once (from cache after the first).
+template <int BITS>
+LADE_VNNI512 void itiles_vnni512(const IJob& job, int64_t t0, int64_t t1) {
+  for (int64_t row = 0; row < job.rows;) {
+    switch (std::min<int64_t>(job.rows - row, 8)) {
+      case 1: isweep_vnni512<BITS, 1, 4>(job, t0, t1, row); row += 1; break;
+      case 2: isweep_vnni512<BITS, 2, 4>(job, t0, t1, row); row += 2; break;
+      case 3: isweep_vnni512<BITS, 3, 2>(job, t0, t1, row); row += 3; break;
+      case 4: isweep_vnni512<BITS, 4, 2>(job, t0, t1, row); row += 4; break;
+      case 5: isweep_vnni512<BITS, 5, 1>(job, t0, t1, row); row += 5; break;
+      case 6: isweep_vnni512<BITS, 6, 1>(job, t0, t1, row); row += 6; break;
+      case 7: isweep_vnni512<BITS, 7, 1>(job, t0, t1, row); row += 7; break;
+      default: isweep_vnni512<BITS, 8, 1>(job, t0, t1, row); row += 8; break;
+    }
+  }
+}
+
+// -- AMX: TDPBSUD (signed activations × unsigned codes) on 16-row tiles -------------------------
+// A = R rows × one block (32 bytes), B = the block's codes as 8 rows × 16 columns × 4 bytes — the
+// packed layout itself for 8 bits, its nibbles spread to bytes for 4 — C = R × 16 int32, then the
+// same float epilogue as the VNNI path on each row of C.
+#define LADE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+LADE_AMX void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 32;  // tmm0, tmm1: activations
+  for (int t : {2, 3}) cfg.rows[t] = 8, cfg.colsb[t] = 64;                          // tmm2, tmm3: codes
+  for (int t : {4, 5}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;  // tmm4, tmm5: int32 sums
+  __asm__ volatile("" : : "r"(&cfg) : "memory");  // the intrinsic's asm names only cfg's first 8 bytes
+  _tile_loadconfig(&cfg);
+}
+
+// One column tile, rows [row, row + rows): every block's int32 sums into `sums` ([blocks][rows][16])
+// first — two blocks in flight on separate tiles — then the float epilogue block by block.
+template <int BITS>
+LADE_AMX void itile_amx(const IJob& job, int64_t tile, int64_t row, int rows, int32_t* sums, uint8_t* codes) {
+  const int64_t blocks = job.k / kBlock;
+  const int8_t* a = job.qa + row * job.k;
+  const uint8_t* q = job.q + tile * blocks * BITS * 64;
+  if (BITS == 4) {  // nibbles to bytes: block b's B rows 2g, 2g+1 = low, high nibbles of vector g
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t i = 0; i < blocks * 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(q + i * 64);
+      _mm512_store_si512(codes + (2 * i) * 64, _mm512_and_si512(v, low4));
+      _mm512_store_si512(codes + (2 * i + 1) * 64, _mm512_and_si512(_mm512_srli_epi32(v, 4), low4));
+    }
+    __asm__ volatile("" ::: "memory");  // the tile loads below read what was just stored
+    q = codes;
+  }
+  const int64_t stride = static_cast<int64_t>(rows) * 16;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _tile_loadd(0, a + b * kBlock, job.k);
+    _tile_loadd(2, q + b * 512, 64);
+    _tile_loadd(1, a + (b + 1) * kBlock, job.k);
+    _tile_loadd(3, q + (b + 1) * 512, 64);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_dpbsud(4, 0, 2);
+    _tile_dpbsud(5, 1, 3);
+    _tile_stored(4, sums + b * stride, 64);
+    _tile_stored(5, sums + (b + 1) * stride, 64);
+  }
+  if (b < blocks) {
+    _tile_loadd(0, a + b * kBlock, job.k);
+    _tile_loadd(2, q + b * 512, 64);
+    _tile_zero(4);
+    _tile_dpbsud(4, 0, 2);
+    _tile_stored(4, sums + b * stride, 64);
+  }
+  __m512 y[16];
+  for (int r = 0; r < 16; ++r) y[r] = _mm512_setzero_ps();
+  for (b = 0; b < blocks; ++b) {
+    const int64_t at = (tile * blocks + b) * 16;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(job.d + at)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(job.m + at)));
+    for (int r = 0; r < rows; ++r)
+      y[r] = epilogue512(y[r], d, m, _mm512_load_si512(sums + b * stride + r * 16), job.dx[(row + r) * blocks + b],
+                         job.sx[(row + r) * blocks + b]);
+  }
+  const int64_t col = tile * 16;
+  const int64_t valid = std::min<int64_t>(16, job.n - col);
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(job.y + (row + r) * job.n + col, keep, y[r]);
+}
+
+// Rows below kAmxRows take the AVX512-VNNI kernels (one AMX product costs the same for 1 row as
+// for 16): the integer sums, and so the outputs, are the same bits either way.
+constexpr int64_t kAmxRows = 4;
+
+template <int BITS>
+LADE_AMX void itiles_amx(const IJob& job, int64_t t0, int64_t t1) {
+  const int64_t blocks = job.k / kBlock;
+  if (job.rows < kAmxRows) return itiles_vnni512<BITS>(job, t0, t1);
+  thread_local std::vector<int32_t> sums;
+  thread_local std::vector<uint8_t> codes;
+  sums.resize(static_cast<size_t>(blocks * 16 * 16) + 16);
+  codes.resize(static_cast<size_t>(blocks * 8 * 64) + 64);
+  int32_t* s = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
+  uint8_t* c = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(codes.data()) + 63) & ~uintptr_t{63});
+  for (int64_t row = 0; row < job.rows; row += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, job.rows - row));
+    amx_configure(rows);
+    for (int64_t t = t0; t < t1; ++t) itile_amx<BITS>(job, t, row, rows, s, c);
+  }
+  _tile_release();
+}
+
+// -- AVX2 (and AVX-VNNI): the 16 columns of a tile as two halves of 8 ---------------------------
+#define LADE_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LADE_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+// Σ code·q over 4 bytes per 32-bit lane, added to acc. VNNI: VPDPBUSD. AVX2: VPMADDUBSW (u8 × s8,
+// pairs summed in int16) then VPMADDWD by 1: no saturation for 4-bit codes (2·15·127); 8-bit codes
+// are taken as code − 128 (|·| ≤ 128, 2·128·127 < 2^15) and 128·Σq is added back per block.
+template <bool SHIFTED>
+LADE_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i codes, __m256i act) {
+  __m256i p;
+  if (SHIFTED) {
+    const __m256i s = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));  // code − 128, signed
+    p = _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(act, s));
+  } else {
+    p = _mm256_maddubs_epi16(codes, act);
+  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+#define LADE_HALVES_BODY(DOT, ATTR)                                                                          \
+  constexpr int G = BITS;                                                                                  \
+  const int64_t blocks = job.k / kBlock;                                                                   \
+  const __m256i low4 = _mm256_set1_epi8(0x0f);                                                             \
+  __m256 y[2][R];                                                                                          \
+  for (int h = 0; h < 2; ++h)                                                                              \
+    for (int r = 0; r < R; ++r) y[h][r] = _mm256_setzero_ps();                                             \
+  for (int64_t b = 0; b < blocks; ++b) {                                                                   \
+    __m256i acc[2][R];                                                                                     \
+    for (int h = 0; h < 2; ++h)                                                                            \
+      for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_si256();                                      \
+    for (int g = 0; g < G; ++g)                                                                            \
+      for (int h = 0; h < 2; ++h) {                                                                        \
+        const __m256i v = _mm256_loadu_si256(                                                             \
+            reinterpret_cast<const __m256i*>(job.q + ((tile * blocks + b) * G + g) * 64 + 32 * h));        \
+        if (BITS == 4) {                                                                                   \
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), low4); \
+          for (int r = 0; r < R; ++r) {                                                                    \
+            const int8_t* a = job.qa + (row + r) * job.k + b * kBlock + 8 * g;                             \
+            acc[h][r] = DOT(acc[h][r], lo, _mm256_set1_epi32(load4(a)));                                   \
+            acc[h][r] = DOT(acc[h][r], hi, _mm256_set1_epi32(load4(a + 4)));                               \
+          }                                                                                                \
+        } else {                                                                                           \
+          for (int r = 0; r < R; ++r)                                                                      \
+            acc[h][r] = DOT(acc[h][r], v, _mm256_set1_epi32(load4(job.qa + (row + r) * job.k + b * kBlock + 4 * g))); \
+        }                                                                                                  \
+      }                                                                                                    \
+    const int64_t at = (tile * blocks + b) * 16;                                                           \
+    for (int h = 0; h < 2; ++h) {                                                                          \
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(job.d + at + 8 * h))); \
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(job.m + at + 8 * h))); \
+      for (int r = 0; r < R; ++r) {                                                                        \
+        __m256i isum = acc[h][r];                                                                          \
+        if (SHIFT_BACK) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(128 * job.qsum[(row + r) * blocks + b])); \
+        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(job.dx[(row + r) * blocks + b])); \
+        y[h][r] = _mm256_fmadd_ps(d, u, y[h][r]);                                                          \
+        y[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(job.sx[(row + r) * blocks + b]), y[h][r]);              \
+      }                                                                                                    \
+    }                                                                                                      \
+  }                                                                                                        \
+  float out[16];                                                                                           \
+  const int64_t col = tile * 16;                                                                           \
+  const int64_t valid = std::min<int64_t>(16, job.n - col);                                                \
+  for (int r = 0; r < R; ++r) {                                                                            \
+    _mm256_storeu_ps(out, y[0][r]);                                                                        \
+    _mm256_storeu_ps(out + 8, y[1][r]);                                                                    \
+    std::memcpy(job.y + (row + r) * job.n + col, out, sizeof(float) * valid);                              \
+  }
+
+template <int BITS, int R>
+LADE_AVXVNNI void itile_avxvnni(const IJob& job, int64_t tile, int64_t row) {
+  constexpr bool SHIFT_BACK = false;
+#define LADE_DOT_VNNI(acc, c, a) _mm256_dpbusd_avx_epi32(acc, c, a)
+  LADE_HALVES_BODY(LADE_DOT_VNNI, LADE_AVXVNNI)
+#undef LADE_DOT_VNNI
+}
+
+template <int BITS, int R>
+LADE_AVX2 void itile_avx2(const IJob& job, int64_t tile, int64_t row) {
+  constexpr bool SHIFT_BACK = BITS == 8;
+#define LADE_DOT_AVX2(acc, c, a) dot4_avx2<BITS == 8>(acc, c, a)
+  LADE_HALVES_BODY(LADE_DOT_AVX2, LADE_AVX2)
+#undef LADE_DOT_AVX2
+}
+#undef LADE_HALVES_BODY
+
+#define LADE_ROWS_256(NAME, TILE, ATTR)                                                       \
+  template <int BITS>                                                                      \
+  ATTR void NAME(const IJob& job, int64_t t0, int64_t t1) {                                \
+    for (int64_t row = 0; row < job.rows;) {                                               \
+      const int64_t left = std::min<int64_t>(job.rows - row, 4);                           \
+      for (int64_t t = t0; t < t1; ++t) {                                                  \
+        switch (left) {                                                                    \
+          case 1: TILE<BITS, 1>(job, t, row); break;                                       \
+          case 2: TILE<BITS, 2>(job, t, row); break;                                       \
+          case 3: TILE<BITS, 3>(job, t, row); break;                                       \
+          default: TILE<BITS, 4>(job, t, row); break;                                      \
+        }                                                                                  \
+      }                                                                                    \
+      row += left;                                                                         \
+    }                                                                                      \
+  }
+LADE_ROWS_256(itiles_avxvnni, itile_avxvnni, LADE_AVXVNNI)
+LADE_ROWS_256(itiles_avx2, itile_avx2, LADE_AVX2)
+#undef LADE_ROWS_256
+#endif  // LADE_X86
+
+// ---- dispatch: chosen once per process -----------------------------------------------------
+// Integer family, best first: amx, avx512vnni, avxvnni, avx2, portable. Float32 compute: avx512,
+// portable. LADE_KERNELS_PATH forces one (an integer name also picks the float32 path it implies:
+// amx and avx512vnni → avx512, the others → portable); LADE_KERNELS_PORTABLE=1 is
+// LADE_KERNELS_PATH=portable. A forced path the CPU lacks, or an unknown name, is an error that
+// every kernel reports when the session is created.
+enum IntPath { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmx = 4 };
+const char* const kIntNames[] = {"portable", "avx2", "avxvnni", "avx512vnni", "amx"};
+
+struct Dispatch {
+  int int_path = kPortable;
+  bool float_avx512 = false;
+  bool supported[5] = {true, false, false, false, false};
+  bool cpu_avx512 = false;
+  std::string error;  // non-empty: LADE_KERNELS_PATH cannot be honoured
+  std::string int_name, float_name;
+};
+
+#ifdef LADE_X86
+bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+
+bool amx_permitted() {  // Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM)
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 #endif
+
+Dispatch choose_paths() {
+  Dispatch d;
+#ifdef LADE_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  d.cpu_avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  d.supported[kAvx2] = avx2;
+  d.supported[kAvxVnni] = avx2 && cpuid_bit(7, 1, 0, 4);                        // CPUID.(7,1):EAX[4]
+  d.supported[kAvx512Vnni] = d.cpu_avx512 && cpuid_bit(7, 0, 2, 11);            // CPUID.(7,0):ECX[11]
+  d.supported[kAmx] = d.supported[kAvx512Vnni] && cpuid_bit(7, 0, 3, 24) && cpuid_bit(7, 0, 3, 25);  // EDX[24,25]
+#endif
+  const char* forced = std::getenv("LADE_KERNELS_PATH");
+  if (forced != nullptr && *forced == '\0') forced = nullptr;
+  const char* portable = std::getenv("LADE_KERNELS_PORTABLE");
+  if (forced == nullptr && portable != nullptr && std::strcmp(portable, "1") == 0) forced = "portable";
+  int want = -1;
+  if (forced != nullptr) {
+    if (std::strcmp(forced, "avx512") == 0) {
+      want = 5;
+    } else {
+      for (int i = 0; i < 5; ++i)
+        if (std::strcmp(forced, kIntNames[i]) == 0) want = i;
+    }
+    if (want < 0) {
+      d.error = std::string("LADE_KERNELS_PATH=") + forced +
+                " is none of amx, avx512vnni, avxvnni, avx2, avx512 (float32 compute), portable";
+      return d;
+    }
+  }
+#ifdef LADE_X86
+  if (d.supported[kAmx]) d.supported[kAmx] = amx_permitted();
+#endif
+  if (want == 5) {
+    if (!d.cpu_avx512) d.error = "LADE_KERNELS_PATH=avx512: this CPU lacks AVX-512";
+    d.float_avx512 = d.cpu_avx512;
+    want = -1;  // the integer path stays the best one
+  } else if (want >= 0 && !d.supported[want]) {
+    d.error = std::string("LADE_KERNELS_PATH=") + forced + ": this CPU (or its OS) lacks it";
+    return d;
+  } else {
+    d.float_avx512 = d.cpu_avx512 && (want == -1 || want == kAmx || want == kAvx512Vnni);
+  }
+  if (want >= 0) {
+    d.int_path = want;
+  } else {
+    for (int i = 4; i >= 0; --i)
+      if (d.supported[i]) { d.int_path = i; break; }
+  }
+  d.int_name = kIntNames[d.int_path];
+  d.float_name = d.float_avx512 ? "avx512" : "portable";
+  return d;
+}
+
+const Dispatch& dispatch() {
+  static const Dispatch d = choose_paths();
+  return d;
+}
 
 void run_task(void* data, size_t task) {
   const Job& job = *static_cast<const Job*>(data);
   const int64_t t0 = static_cast<int64_t>(task) * job.chunk;
   const int64_t t1 = std::min(job.tiles, t0 + job.chunk);
 #ifdef LADE_X86
-  if (has_avx512()) return job.bits == 4 ? tiles_avx512<4>(job, t0, t1) : tiles_avx512<8>(job, t0, t1);
+  if (dispatch().float_avx512) return job.bits == 4 ? tiles_avx512<4>(job, t0, t1) : tiles_avx512<8>(job, t0, t1);
 #endif
   tiles_portable(job, t0, t1);
+}
+
+void run_itask(void* data, size_t task) {
+  const IJob& job = *static_cast<const IJob*>(data);
+  const int64_t t0 = static_cast<int64_t>(task) * job.chunk;
+  const int64_t t1 = std::min(job.tiles, t0 + job.chunk);
+  const bool four = job.bits == 4;
+  switch (job.path) {
+#ifdef LADE_X86
+    case kAmx: return four ? itiles_amx<4>(job, t0, t1) : itiles_amx<8>(job, t0, t1);
+    case kAvx512Vnni: return four ? itiles_vnni512<4>(job, t0, t1) : itiles_vnni512<8>(job, t0, t1);
+    case kAvxVnni: return four ? itiles_avxvnni<4>(job, t0, t1) : itiles_avxvnni<8>(job, t0, t1);
+    case kAvx2: return four ? itiles_avx2<4>(job, t0, t1) : itiles_avx2<8>(job, t0, t1);
+#endif
+    default: return itiles_portable(job, t0, t1);
+  }
 }
 
 // ---- ONNX Runtime glue -------------------------------------------------------------------
@@ -243,8 +715,20 @@ int64_t attribute_n(const OrtKernelInfo* info) {
   return Ort::ConstKernelInfo(info).GetAttribute<int64_t>("N");
 }
 
+int64_t attribute_compute(const OrtKernelInfo* info) {  // absent (older graphs): 0, float32
+  int64_t value = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, "compute", &value);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return 0;
+  }
+  if (value != 0 && value != 1) throw Error("attribute compute = " + std::to_string(value) + " is not 0 (float32) or 1 (int8)");
+  return value;
+}
+
 struct MatMulKernel {
   int64_t n;
+  int64_t compute;  // 0: float32, 1: int8 activations (the exact integer path)
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
     try {
       Ort::KernelContext ctx(raw);
@@ -253,19 +737,23 @@ struct MatMulKernel {
       const Packed p = read_packed(ctx, 1, n);
       if (xs.empty() || xs.back() != p.blocks * kBlock)
         throw Error("X " + dims(xs) + " does not end in K = " + std::to_string(p.blocks * kBlock));
+      int64_t rows = 1;
+      for (size_t i = 0; i + 1 < xs.size(); ++i) rows *= xs[i];
+      std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
+      ys.push_back(p.n);
+      auto y = ctx.GetOutput(0, ys);
+      float* yd = y.GetTensorMutableData<float>();
+      if (rows == 0) return nullptr;
+      const float* xd = x.GetTensorData<float>();
+      const int64_t k = xs.back();
+      if (compute == 1) return integer(ctx, p, xd, rows, k, yd);
       Job job{};
       static_cast<Packed&>(job) = p;
-      job.k = xs.back();
-      job.rows = 1;
-      for (size_t i = 0; i + 1 < xs.size(); ++i) job.rows *= xs[i];
-      std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
-      ys.push_back(job.n);
-      auto y = ctx.GetOutput(0, ys);
-      job.y = y.GetTensorMutableData<float>();
-      if (job.rows == 0) return nullptr;
+      job.k = k;
+      job.rows = rows;
+      job.y = yd;
       // Each row's inputs, scaled per element (exact: powers of two) and summed per block, in
       // the same order for every row count.
-      const float* xd = x.GetTensorData<float>();
       const int per = 32 / job.bits;
       std::vector<float> scaled(static_cast<size_t>(job.rows * job.k)), sums(static_cast<size_t>(job.rows * p.blocks));
       for (int64_t r = 0; r < job.rows; ++r)
@@ -287,6 +775,29 @@ struct MatMulKernel {
     } catch (const std::exception& e) {
       return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string("MatMulBlockQ: ") + e.what()).c_str());
     }
+  }
+
+  OrtStatusPtr integer(Ort::KernelContext& ctx, const Packed& p, const float* xd, int64_t rows, int64_t k, float* yd) {
+    IJob job{};
+    static_cast<Packed&>(job) = p;
+    job.k = k;
+    job.rows = rows;
+    job.y = yd;
+    job.path = dispatch().int_path;
+    std::vector<int8_t> qa(static_cast<size_t>(rows * k));
+    std::vector<float> dx(static_cast<size_t>(rows * p.blocks)), sx(dx.size());
+    std::vector<int32_t> qsum(dx.size());
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_row(xd + r * k, k, p.bits, qa.data() + r * k, dx.data() + r * p.blocks, sx.data() + r * p.blocks,
+                   qsum.data() + r * p.blocks);
+    job.qa = qa.data();
+    job.dx = dx.data();
+    job.sx = sx.data();
+    job.qsum = qsum.data();
+    job.chunk = 4;
+    const size_t tasks = static_cast<size_t>((job.tiles + job.chunk - 1) / job.chunk);
+    ctx.ParallelFor(run_itask, tasks, 0, &job);
+    return nullptr;
   }
 };
 
@@ -333,7 +844,8 @@ template <typename TOp, typename TKernel>
 struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     try {
-      *kernel = new TKernel{attribute_n(info)};
+      if (!dispatch().error.empty()) throw Error(dispatch().error);
+      *kernel = TOp::make(info);
       return nullptr;
     } catch (const std::exception& e) {
       return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string(TOp::kName) + ": " + e.what()).c_str());
@@ -347,6 +859,7 @@ struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
 
 struct MatMulOp : Op<MatMulOp, MatMulKernel> {
   static constexpr const char* kName = "MatMulBlockQ";
+  static MatMulKernel* make(const OrtKernelInfo* info) { return new MatMulKernel{attribute_n(info), attribute_compute(info)}; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
            : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
@@ -356,6 +869,7 @@ struct MatMulOp : Op<MatMulOp, MatMulKernel> {
 
 struct GatherOp : Op<GatherOp, GatherKernel> {
   static constexpr const char* kName = "GatherBlockQ";
+  static GatherKernel* make(const OrtKernelInfo* info) { return new GatherKernel{attribute_n(info)}; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
            : i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
@@ -378,4 +892,25 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   for (OrtCustomOp* op : {static_cast<OrtCustomOp*>(&matmul), static_cast<OrtCustomOp*>(&gather)})
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, op)) return s;
   return api->AddCustomOpDomain(options, domain);
+}
+
+// The kernels' paths, for the Python side (ctypes; no ONNX Runtime needed):
+// lade_kernels_path(1) → the integer path this process takes ("amx", "avx512vnni", "avxvnni",
+// "avx2", "portable"), lade_kernels_path(0) → the float32 path ("avx512", "portable"), or
+// "error: …" when LADE_KERNELS_PATH cannot be honoured; lade_kernels_paths() → the paths this
+// library holds and whether this CPU runs each, as "name:1,name:0,…".
+extern "C" __attribute__((visibility("default"))) const char* lade_kernels_path(int compute) {
+  static const std::string error = "error: " + dispatch().error;
+  if (!dispatch().error.empty()) return error.c_str();
+  return compute == 1 ? dispatch().int_name.c_str() : dispatch().float_name.c_str();
+}
+
+extern "C" __attribute__((visibility("default"))) const char* lade_kernels_paths() {
+  static const std::string listing = [] {
+    const Dispatch& d = dispatch();
+    std::string out;
+    for (int i = 4; i >= 0; --i) out += std::string(kIntNames[i]) + ":" + (d.supported[i] ? "1" : "0") + ",";
+    return out + "avx512:" + (d.cpu_avx512 ? "1" : "0") + ",portable-float32:1";
+  }();
+  return listing.c_str();
 }
