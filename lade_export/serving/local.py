@@ -25,10 +25,12 @@ Facts this relies on (checked with nvidia-pytriton 0.7.0):
   ``.pth`` file then adds the lade_export sources and the calling environment's
   ``site-packages`` (same onnxruntime and tokenizers, hence the same numerics).
 
-Every server runs in its own process group with a parent-death signal, so it and its
-stub processes end with the Python process that started it even when that one dies;
-:meth:`LocalTritonServer.stop` ends them (SIGTERM, then SIGKILL) and removes shared
-memory regions they left behind.
+Every server runs in its own process group with a parent-death signal, so it ends with
+the Python process that started it even when that one dies, and its stubs end their
+requests and exit once it is gone; :meth:`LocalTritonServer.stop` first asks the models to
+end their requests (the file ``LADE_TRITON_STOP_FILE`` names, which the model watches),
+then stops the server (SIGTERM, then SIGKILL to the group) and removes the shared-memory
+regions the stubs left behind.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -200,28 +203,38 @@ class LocalTritonServer:
             ``workdir/env``.
         exit_timeout_s: how long the server waits for in-flight requests on SIGTERM.
         log_verbose: Triton's ``--log-verbose`` level.
+        remove_workdir: remove ``workdir`` (backends, log, and the stub's environment when it
+            lies inside) once stopped.
 
     Raises:
         BackendUnavailableError: no ``nvidia-pytriton`` wheel, or libpython is not shared.
     """
 
-    def __init__(self, repository, workdir, *, env_dir=None, exit_timeout_s: int = 10, log_verbose: int = 0):
+    def __init__(self, repository, workdir, *, env_dir=None, exit_timeout_s: int = 10, log_verbose: int = 0,
+                 remove_workdir: bool = False):
         self.repository = Path(repository).resolve()
         self.workdir = Path(workdir).resolve()
         self.env_dir = Path(env_dir).resolve() if env_dir else self.workdir / "env"
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
+        self.remove_workdir = remove_workdir
         self.triton = find_triton()
         self.process: subprocess.Popen | None = None
         self.grpc_port = self.http_port = None
         self._stubs: dict = {}
         self._log = None
+        self._ready = False  # a failed start keeps the workdir, for its log
 
     # -- paths and environment ----------------------------------------------------------------
 
     @property
     def log_path(self) -> Path:
         return self.workdir / "server.log"
+
+    @property
+    def stop_file(self) -> Path:
+        """Created by :meth:`stop`: the models end their requests when it appears."""
+        return self.workdir / "stopping"
 
     @property
     def grpc_url(self) -> str:
@@ -245,6 +258,7 @@ class LocalTritonServer:
         env.pop("PYTHONPATH", None)
         env.pop("PYTHONHOME", None)
         env["VIRTUAL_ENV"] = str(self.env_dir)
+        env["LADE_TRITON_STOP_FILE"] = str(self.stop_file)
         env["PATH"] = f"{self.env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             [libdir, str(wheel_libs(self.triton))] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
@@ -260,6 +274,7 @@ class LocalTritonServer:
                 message has the log's last error line (the full log is at :attr:`log_path`).
         """
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.stop_file.unlink(missing_ok=True)
         make_server_env(self.env_dir, default_extra_paths())
         backends = assemble_backend_dir(self.triton, self.workdir / "backends")
         for attempt in range(attempts):
@@ -275,6 +290,7 @@ class LocalTritonServer:
                                             preexec_fn=_die_with_parent)
             try:
                 self._wait_ready(timeout_s)
+                self._ready = True
                 return self
             except ServingError:
                 log = self.log_text()
@@ -332,18 +348,22 @@ class LocalTritonServer:
         return _group_members(self.process.pid) if self.process is not None else []
 
     def stop(self) -> None:
-        """Stop the server: SIGTERM (it finishes in-flight requests for up to
-        ``exit_timeout_s``), SIGKILL to its whole process group after that, then remove
-        shared-memory regions its stubs left in /dev/shm."""
+        """Stop the server: the models end their requests at their next step (each client
+        gets ``request stopped: the model is unloading``), SIGTERM lets the server unload
+        them (it waits up to ``exit_timeout_s``), SIGKILL to its whole process group after
+        that; then remove shared-memory regions its stubs left in /dev/shm, and the workdir
+        with ``remove_workdir``."""
         if self.process is None:
             return
         self._remember_stubs()
         pgid = self.process.pid
         if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.stop_file.touch()
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=self.exit_timeout_s + 10)
+                self.process.wait(timeout=self.exit_timeout_s + 2)
             except subprocess.TimeoutExpired:
                 pass
         deadline = time.monotonic() + 10
@@ -360,6 +380,12 @@ class LocalTritonServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+        self.stop_file.unlink(missing_ok=True)
+        self._remove_workdir()
+
+    def _remove_workdir(self) -> None:
+        if self.remove_workdir and self._ready:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "LocalTritonServer":
         return self.start()
@@ -374,17 +400,28 @@ def main(argv=None) -> int:
     if not args or args[0].startswith("-"):
         print("usage: python -m lade_export.serving.local REPO [WORKDIR]", file=sys.stderr)
         return 2
+    try:
+        find_triton()  # before making a workdir
+    except BackendUnavailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     workdir = Path(args[1]) if len(args) > 1 else Path(tempfile.mkdtemp(prefix="lade-triton-"))
-    server = LocalTritonServer(args[0], workdir)
+    # a temporary workdir (backends, log, the stub's ~100 MB environment) goes when the server stops
+    server = LocalTritonServer(args[0], workdir, remove_workdir=len(args) == 1)
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # stop the server as Ctrl-C does, not by dying
+        signal.signal(signum, lambda number, frame: sys.exit(128 + number))
     try:
         server.start()
-        print(f"serving {args[0]}: gRPC {server.grpc_url}, HTTP {server.http_url}; log {server.log_path}; Ctrl-C stops",
-              flush=True)
+        where = "" if server.remove_workdir else f"; log {server.log_path}"
+        print(f"serving {args[0]}: gRPC {server.grpc_url}, HTTP {server.http_url}{where}; Ctrl-C stops", flush=True)
         while server.process.poll() is None:
             time.sleep(0.5)
         return server.process.returncode or 0
     except KeyboardInterrupt:
         return 130
+    except (ServingError, BackendUnavailableError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         server.stop()
 

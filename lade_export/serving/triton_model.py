@@ -64,6 +64,7 @@ class TritonPythonModel:
         except LadeError as err:
             raise pb_utils.TritonModelException(str(err)) from None
         self.closing = threading.Event()
+        threading.Thread(target=self._watch_stop, name=f"lade-{self.instance}-watch", daemon=True).start()
         self.pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests,
                                        thread_name_prefix=f"lade-{self.instance}")
         pb_utils.Logger.log_info(f"{self.instance}: loaded {artifact} on {self.settings.backend}/{self.settings.device} "
@@ -135,6 +136,17 @@ class TritonPythonModel:
                 sender.send(response, flags=FINAL if chunk.final else 0)
                 if chunk.final:
                     return
+
+    def _watch_stop(self):
+        """End this instance's requests at their next step when the server that started this
+        stub is gone, or when the file named by ``LADE_TRITON_STOP_FILE`` appears (the local
+        runner creates it as it stops the server). Triton 2.51 calls :meth:`finalize` only once
+        a decoupled model's requests have ended, so without this a long request kept the
+        server's stop waiting for its exit timeout, and outlived a killed server."""
+        parent, stop_file = os.getppid(), os.environ.get("LADE_TRITON_STOP_FILE")
+        while not self.closing.wait(0.2):
+            if os.getppid() != parent or (stop_file and os.path.exists(stop_file)):
+                self.closing.set()
 
     def finalize(self):
         self.closing.set()
