@@ -796,14 +796,16 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
            default_max_new_tokens, max_concurrent_requests, threads, copy_artifact, artifact_path, force):
     """Write a Triton Inference Server model (Python backend, streamed responses) for an artifact
     (docs/serving.md)."""
-    from .serving.repository import write_model_repository
+    from .serving.repository import serve_hints, write_model_repository
 
     out = write_model_repository(
         artifact_dir, repository, name=name, instances=instances, profiles=profile_values, backend=backend,
         device=device, max_new_tokens_limit=max_new_tokens_limit, default_max_new_tokens=default_max_new_tokens,
         max_concurrent_requests=max_concurrent_requests, threads=threads, copy_artifact=copy_artifact,
         artifact_path=artifact_path, force=force)
-    click.echo(f"wrote {out} (model {out.name!r}); serve with: tritonserver --model-repository {out.parent}")
+    click.echo(f"wrote {out} (model {out.name!r})")
+    for line in serve_hints(out.parent):
+        click.echo(line)
 
 
 if __name__ == "__main__":

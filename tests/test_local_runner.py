@@ -86,3 +86,29 @@ def _pgid(pid: int):
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+def test_triton_says_how_to_serve_where_no_tritonserver_is_on_path(tmp_path, stories_artifact, monkeypatch):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from lade_export.cli import main
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))  # no tritonserver here
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["triton", str(stories_artifact), "--out", str(repo)])
+    assert result.exit_code == 0, result.output
+    wheel = "installed" if importlib.util.find_spec("pytriton") else "pip install --no-deps nvidia-pytriton==0.7.0"
+    assert result.stdout.splitlines() == [
+        f"wrote {repo / 'stories260K'} (model 'stories260K')",
+        f"serve with: python -m lade_export.serving.local {repo}  (this machine: the tritonserver of the "
+        f"nvidia-pytriton wheel, {wheel})",
+        f"       or: tritonserver --model-repository {repo}  (in the NGC container "
+        "nvcr.io/nvidia/tritonserver:<yy.mm>-py3 with lade-export installed; docs/serving.md)"]
+    (bin_dir / "tritonserver").write_text("#!/bin/sh\n")
+    (bin_dir / "tritonserver").chmod(0o755)
+    again = CliRunner().invoke(main, ["triton", str(stories_artifact), "--out", str(repo), "--force"])
+    assert again.stdout.splitlines()[1:] == [f"serve with: tritonserver --model-repository {repo}"]

@@ -203,3 +203,21 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         }
         (tmp / MARKER).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
     return out.resolve()
+
+
+def serve_hints(repository) -> list[str]:
+    """How to serve ``repository``: with ``tritonserver`` when one is on PATH; else with the
+    local runner (the ``nvidia-pytriton`` wheel's server, which needs its backend directory
+    and environment assembled, so it is not run directly) and in the NGC Triton container."""
+    import importlib.util
+
+    from .local import PYTRITON_PIN
+
+    repo = Path(repository)
+    if shutil.which("tritonserver"):
+        return [f"serve with: tritonserver --model-repository {repo}"]
+    wheel = "installed" if importlib.util.find_spec("pytriton") else f"pip install --no-deps {PYTRITON_PIN}"
+    return [f"serve with: python -m lade_export.serving.local {repo}  (this machine: the tritonserver of the "
+            f"nvidia-pytriton wheel, {wheel})",
+            f"       or: tritonserver --model-repository {repo}  (in the NGC container "
+            "nvcr.io/nvidia/tritonserver:<yy.mm>-py3 with lade-export installed; docs/serving.md)"]
