@@ -238,6 +238,16 @@ class Scheduler:
                     return
         finally:
             req.closed.set()
+            if self._lead.acquire(blocking=False):  # leave now; else the pass in flight's next plan does it
+                try:
+                    with self._cond:
+                        ours = req in self._active or req in self._pending
+                        if req in self._pending:
+                            self._pending.remove(req)
+                    if ours:
+                        self._leave(req)
+                finally:
+                    self._lead.release()
             with self._cond:
                 self._cond.notify_all()
 
@@ -281,6 +291,7 @@ class Scheduler:
                 self._closing = True
                 for req in self._pending + self._active:
                     self._send(req, GenerationError("the scheduler was closed while the request ran"))
+                    self.pool.release(req.id)
                 self._pending.clear()
                 self._active.clear()
                 self._reserved = 0

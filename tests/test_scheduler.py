@@ -297,3 +297,50 @@ def test_batching_with_tensorrt_is_refused_in_one_line(stories_artifact):
     with pytest.raises(GenerationError, match=r"^batching=True needs the ort or torch backend: TensorRT engines' "
                                               r"optimization profiles do not cover packed passes yet$"):
         lade_export.load(stories_artifact, backend="tensorrt", batching=True)
+
+
+def test_random_arrivals_and_cancels_keep_every_request_exact_and_free_the_pool(stories_decoder, reference_greedy,
+                                                                                 solo):
+    """A random schedule (fixed seed): 48 requests drawn from REQUESTS arrive in waves from
+    six client threads; about one in three is cancelled or closed after a random number of
+    chunks. Every finished request equals its solo run, every cut one is a prefix of it,
+    and the pool ends empty, never grown past what its requests reserved."""
+    rng = np.random.default_rng(21)
+    scheduler = Scheduler(stories_decoder, token_budget=int(rng.integers(8, 40)), max_batch=5)
+    plan = [(int(rng.integers(len(REQUESTS))), str(rng.choice(["run", "run", "cancel", "close"])),
+             int(rng.integers(0, 6))) for _ in range(48)]
+    outcomes = [None] * len(plan)
+
+    def client(k):
+        for j in range(k, len(plan), 6):
+            spec, action, after = plan[j]
+            case, prof, sampling, stop, n = REQUESTS[spec]
+            cancel = threading.Event()
+            stream = scheduler.stream(reference_greedy["cases"][case]["prompt_ids"], n, _profile(prof), stop=stop,
+                                      sampling=sampling, cancel=cancel)
+            chunks = []
+            for chunk in stream:
+                chunks.append(chunk)
+                if action != "run" and len(chunks) == after + 1:
+                    if action == "close":
+                        stream.close()
+                        break
+                    cancel.set()
+            outcomes[j] = (spec, action, chunks)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    scheduler.close()
+    for spec, action, chunks in outcomes:
+        want = solo[spec]
+        ids = [t for c in chunks for t in c.token_ids]
+        if chunks[-1].final and chunks[-1].stop_reason != "cancelled":
+            assert (ids, chunks[-1].stop_reason) == (want.token_ids, want.stop_reason)
+        else:
+            assert action != "run" and ids == want.token_ids[:len(ids)]
+    assert scheduler.pool.used == 0 and scheduler.active_requests == 0
+    widest = max(len(reference_greedy["cases"][c]["prompt_ids"]) + n for c, *_, n in REQUESTS)
+    assert scheduler.pool.cache.capacity <= max(1024, 2 * 5 * widest)
