@@ -101,3 +101,33 @@ def test_builds_print_only_their_own_progress_lines(tmp_path, stories_dir):
         strays = [line for line in err.splitlines() if not PROGRESS.match(line)]
         assert strays == [] and "%|" not in err and "Warning" not in err, err
     assert json.loads((tmp_path / "fused" / "manifest.json").read_text())["graph"]["attention"] == "group-query-attention"
+
+
+def test_docs_and_examples_keep_artifacts_out_of_setuptools_build_folder():
+    # build/ is setuptools' (build/lib); the README's artifacts live in artifacts/ (ignored by git)
+    examples = [p for p in (ROOT / "examples").rglob("*") if p.is_file() and "build" not in p.parent.parts]
+    stale = {str(p.relative_to(ROOT)) for p in [*ROOT.glob("docs/*.md"), *examples]
+             if re.search(r"(?<![\w/.-])build/(smollm2|stories)", p.read_text(errors="replace"))}
+    assert stale == set()
+    assert "/artifacts/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_cpp_runner_script_says_how_to_call_it():
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "cpp" / "run.sh")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr == "usage: bash examples/cpp/run.sh ARTIFACT_DIR [MAX_NEW_TOKENS]\n"
+    assert "bash examples/cpp/run.sh artifacts/smollm2" in (ROOT / "examples" / "cpp" / "README.md").read_text()
+
+
+def test_the_cpp_runner_names_the_extra_when_pybind11_is_missing(tmp_path):
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\ncase "$*" in *pybind11*) exit 1;; esac\nexec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    env = {**__import__("os").environ, "PATH": f"{shim.parent}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "cpp" / "run.sh"), "artifacts/smollm2"], capture_output=True,
+                          text=True, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: pybind11 is not installed in the environment of {shim}: pip install 'lade-export[cpp]'\n"
+    assert "pybind11 is not installed in the environment of PYTHON: pip install 'lade-export[cpp]'" in \
+        (ROOT / "docs" / "errors.md").read_text()
