@@ -131,3 +131,24 @@ def test_the_cpp_runner_names_the_extra_when_pybind11_is_missing(tmp_path):
     assert proc.stderr == f"error: pybind11 is not installed in the environment of {shim}: pip install 'lade-export[cpp]'\n"
     assert "pybind11 is not installed in the environment of PYTHON: pip install 'lade-export[cpp]'" in \
         (ROOT / "docs" / "errors.md").read_text()
+
+
+def test_an_onnxruntime_older_than_the_lade_kernels_need_is_refused_in_one_line(stories_artifact, tmp_path,
+                                                                               monkeypatch):
+    # pyproject allows onnxruntime >= 1.18; docs/embedding.md says --kernels lade artifacts need >= 1.29
+    import onnxruntime
+    import pytest
+
+    from lade_export.artifact import Artifact
+    from lade_export.backends.onnxruntime import OrtEngine
+    from lade_export.errors import BackendUnavailableError
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.20.1")
+    library = tmp_path / "liblade_kernels.so"
+    library.write_bytes(b"\x7fELF")  # refused before ONNX Runtime would read it
+    artifact = Artifact(stories_artifact)
+    with pytest.raises(BackendUnavailableError) as info:
+        OrtEngine(artifact.onnx_path, artifact.dims, custom_ops=library)
+    assert str(info.value) == (f"{artifact.onnx_path.parent} computes with lade kernels, which need onnxruntime>=1.29 "
+                               "(installed: 1.20.1)")
+    assert "which need\nonnxruntime>=1.29 (installed: 1.20.1)" in (ROOT / "docs" / "embedding.md").read_text()
