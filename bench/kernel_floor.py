@@ -11,9 +11,13 @@ The second figure bounds greedy decoding from above: even if attention, norms, R
 the host were free, a step could not be faster than its weight kernels. Tokens/s figures
 are 1000 / ms. A benchmark, not a test: run it on a quiet machine.
 
+``--rows 1,16`` instead times the weight kernels alone fed R rows at once (a step of R
+tokens), every artifact and row count alternating pass by pass (interleaved medians), and
+reports each against its own one-row time: what an extra row costs the weight kernels.
+
 Usage:
     python bench/kernel_floor.py build/smollm2 build/smollm2-int4 [--past 256] [--repeats 41] \
-        [--threads 2] [--out bench/results/kernel-floor.md]
+        [--threads 2] [--rows 1,16] [--out bench/results/kernel-floor.md]
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 
-def weight_kernels_model(model):
-    """A model of only ``model``'s weight kernels: one input ``x_K`` float [1, 1, K] per
+def weight_kernels_model(model, rows: int = 1):
+    """A model of only ``model``'s weight kernels: one input ``x_K`` float [1, rows, K] per
     input width K, every kernel reading it, every kernel's output a graph output."""
     import onnx
     from onnx import TensorProto, helper
@@ -51,7 +55,7 @@ def weight_kernels_model(model):
     used = {i for n in nodes for i in n.input}
     graph = helper.make_graph(
         nodes, "weight_kernels",
-        [helper.make_tensor_value_info(f"x_{k}", TensorProto.FLOAT, [1, 1, k]) for k in sorted(widths)],
+        [helper.make_tensor_value_info(f"x_{k}", TensorProto.FLOAT, [1, rows, k]) for k in sorted(widths)],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for n in nodes for o in n.output],
         [i for i in model.graph.initializer if i.name in used])
     return helper.make_model(graph, opset_imports=list(model.opset_import)), len(nodes)
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: ORT's)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
+    parser.add_argument("--rows", default=None, help="weight kernels alone at these row counts, e.g. 1,16 (interleaved)")
     args = parser.parse_args()
 
     import onnx
@@ -97,6 +102,8 @@ def main() -> None:
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
     rng = np.random.default_rng(0)
+    if args.rows:
+        return rows_table(args, session, rng)
     rows = []
     for path in args.artifacts:
         artifact = Artifact(path)
@@ -121,6 +128,46 @@ def main() -> None:
     for name, step_ms, count, kernel_ms in rows:
         lines.append(f"| {name} | {step_ms:.1f} ({1e3 / step_ms:.0f}) | {count} | {kernel_ms:.1f} "
                      f"({1e3 / kernel_ms:.0f}) | {kernel_ms / step_ms:.0%} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        write_text_atomic(args.out, text)
+
+
+def rows_table(args, session, rng) -> None:
+    """``--rows``: the weight kernels alone at each row count, interleaved; prints (and writes) a table."""
+    import onnx
+
+    from lade_export.artifact import Artifact, write_text_atomic
+    from lade_export.compare import environment
+
+    counts = [int(v) for v in args.rows.split(",")]
+    runs = []
+    for path in args.artifacts:
+        artifact = Artifact(path)
+        graph = onnx.load(str(artifact.onnx_path))
+        compute = (artifact.manifest.get("quantization") or {}).get("spec", {}).get("compute", "float32")
+        for count in counts:
+            model, _ = weight_kernels_model(graph, count)
+            s = session(model.SerializeToString(), artifact.custom_ops_path)
+            feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in s.get_inputs()}
+            for _ in range(3):
+                s.run(None, feeds)
+            runs.append((f"{path.name} ({compute} compute)", count, s, feeds))
+    times = {(name, count): [] for name, count, _, _ in runs}
+    for r in range(args.repeats):
+        for name, count, s, feeds in runs[r % len(runs):] + runs[:r % len(runs)]:
+            start = time.perf_counter()
+            s.run(None, feeds)
+            times[(name, count)].append(time.perf_counter() - start)
+    machine = environment()
+    lines = [f"Weight kernels alone (every MatMulBlockQ of the step, head included, real weights), fed R rows, "
+             f"interleaved median of {args.repeats} ({machine['cpu']}, {machine['cores']} cores, threads "
+             f"{args.threads or 'default'}): ms (× one row).", "",
+             "| artifact | " + " | ".join(f"{c} rows" for c in counts) + " |", "| --- |" + " ---: |" * len(counts)]
+    for name in dict.fromkeys(name for name, _, _, _ in runs):
+        ms = [statistics.median(times[(name, c)]) * 1e3 for c in counts]
+        lines.append(f"| {name} | " + " | ".join(f"{m:.2f} ({m / ms[0]:.2f}×)" for m in ms) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -6,14 +6,20 @@ precision (bench/results/README.md). Each step runs at ``--past`` cached tokens,
 logits read at every row (the most a lookahead step reads), median of ``--repeats`` runs
 after one warm-up. A benchmark, not a test: run it on a quiet machine.
 
+With ``--interleave`` every pass of every artifact and step size alternates with the others
+(repeat after repeat, sizes in a rotating order), so a shared machine's noise falls on all
+curves alike; ``--sizes`` picks the step sizes.
+
 Usage:
     python bench/step_costs.py build/smollm2 build/smollm2-int4 build/smollm2-int8 \
-        [--past 256] [--repeats 9] [--out bench/results/step-costs.md]
+        [--past 256] [--repeats 9] [--sizes 1,2,4,8,16] [--interleave] [--out bench/results/step-costs.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from pathlib import Path
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 19, 24, 32, 64)
@@ -25,7 +31,10 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=256, help="cached tokens before the step")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
+    parser.add_argument("--sizes", default=None, help="step sizes, comma-separated (default: %s)" % ",".join(map(str, SIZES)))
+    parser.add_argument("--interleave", action="store_true", help="alternate artifacts and sizes pass by pass")
     args = parser.parse_args()
+    sizes = tuple(int(v) for v in args.sizes.split(",")) if args.sizes else SIZES
 
     import lade_export
     from lade_export.artifact import write_text_atomic
@@ -33,13 +42,16 @@ def main() -> None:
     from lade_export.tune import measure_step_costs
 
     curves = {}
-    for path in args.artifacts:
+    if args.interleave:
+        curves = interleaved_curves(args.artifacts, sizes, args.past, args.repeats)
+    for path in [] if args.interleave else args.artifacts:
         with lade_export.load(path) as model:
             precision = model.artifact.manifest["graph"].get("precision", "fp32")
-            curves[f"{path.name} ({precision})"] = measure_step_costs(model.decoder.engine, SIZES, args.past,
+            curves[f"{path.name} ({precision})"] = measure_step_costs(model.decoder.engine, sizes, args.past,
                                                                       args.repeats)
     machine = environment()
-    lines = [f"Step-cost curves at {args.past} cached tokens, median of {args.repeats} passes "
+    lines = [f"Step-cost curves at {args.past} cached tokens, median of {args.repeats} passes"
+             f"{' (interleaved)' if args.interleave else ''} "
              f"({machine['cpu']}, {machine['cores']} cores): ms per forward pass (× a one-token step of the same engine).", "",
              "| step tokens | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
     steps = sorted({row["step"] for rows in curves.values() for row in rows})
@@ -53,6 +65,40 @@ def main() -> None:
     print(text)
     if args.out:
         write_text_atomic(args.out, text)
+
+
+def interleaved_curves(paths, sizes, past: int, repeats: int) -> dict:
+    """``{name: [{"step", "seconds", "relative"}]}`` as :func:`lade_export.tune.measure_step_costs`
+    gives, with the passes of all artifacts and sizes alternating (one warm-up pass each)."""
+    import lade_export
+    from lade_export.feeds import example_feeds
+
+    models = [lade_export.load(p) for p in paths]
+    runs = []  # (name, size, engine, feeds)
+    for path, model in zip(paths, models):
+        engine = model.decoder.engine
+        name = f"{path.name} ({model.artifact.manifest['graph'].get('precision', 'fp32')})"
+        for size in sizes:
+            if past + size <= engine.dims.max_context:
+                runs.append((name, size, engine, example_feeds(engine.dims, step=size, past=past,
+                                                               kv_layout=getattr(engine, "kv_layout", "sequence-major"))))
+    for _, _, engine, feeds in runs:
+        engine.run(feeds)
+    times = {(name, size): [] for name, size, _, _ in runs}
+    for r in range(repeats):
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        for name, size, engine, feeds in order:
+            start = time.perf_counter()
+            engine.run(feeds)
+            times[(name, size)].append(time.perf_counter() - start)
+    curves = {}
+    for name, size, _, _ in runs:
+        seconds = statistics.median(times[(name, size)])
+        base = curves.setdefault(name, [])
+        base.append({"step": size, "seconds": seconds, "relative": seconds / (base[0]["seconds"] if base else seconds)})
+    for model in models:
+        model.close()
+    return curves
 
 
 if __name__ == "__main__":

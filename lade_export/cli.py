@@ -397,7 +397,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
         from .kernels import running_path
 
         compute = ((model.artifact.manifest.get("quantization") or {}).get("spec") or {}).get("compute", "float32")
-        click.echo(f"[kernels] lade, {compute} compute: {running_path(library, compute)} path", err=True)
+        click.echo(f"[kernels] lade, {compute} compute, path: {running_path(library, compute)}", err=True)
     if backend == "tensorrt":
         click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
                    f"{', '.join(model.engine.loaded_engines)}", err=True)

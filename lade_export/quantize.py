@@ -176,7 +176,7 @@ class QuantSpec:
         if kernels == "lade":
             if accuracy_level is not None:
                 raise ProfileError(f"--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; "
-                                   f"--kernels lade takes --compute int8|float32: drop --accuracy-level {accuracy_level}")
+                                   f"--kernels lade computes in float32: drop --accuracy-level {accuracy_level}")
             return cls(bits, block_size or LANE_BLOCK, 0, 8 if head_bits is None else head_bits, kernels,
                        compute or "float32")
         level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)

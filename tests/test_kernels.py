@@ -259,7 +259,7 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
             "compute, paths avx512, portable); lookahead exact: True; top-1 agreement with float32") in shown
     result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--max-new-tokens", "4"])
     assert result.exit_code == 0
-    assert f"[kernels] lade, float32 compute: {kernels['path_at_build']} path" in result.stderr
+    assert f"[kernels] lade, float32 compute, path: {kernels['path_at_build']}\n" in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +288,12 @@ def test_an_int8_compute_build_records_its_paths_and_decodes_greedily(stories_in
             "lookahead exact: False; top-1 agreement with float32 89.5%") in shown
     result = CliRunner().invoke(main, ["generate", str(stories_int8c), "--prompt", "Once", "--max-new-tokens", "4"])
     assert result.exit_code == 0
-    assert f"[kernels] lade, int8 compute: {kernels['path_at_build']} path" in result.stderr
+    assert f"[kernels] lade, int8 compute, path: {kernels['path_at_build']}\n" in result.stderr
+    env = {**os.environ, "LADE_KERNELS_PATH": "sse9"}  # read once per process: a fresh one
+    done = subprocess.run([sys.executable, "-m", "lade_export.cli", "generate", str(stories_int8c), "--prompt", "Once",
+                           "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "error: LADE_KERNELS_PATH=sse9 is none of amx, avx512vnni, avxvnni, avx2, avx512 (float32 compute), portable")
     with pytest.raises(ProfileError, match="this engine computes one-token and multi-token steps differently"):
         lade_export.load(stories_int8c).generate("Once upon a time", max_new_tokens=8, profile="default")
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade",

@@ -41,8 +41,9 @@ class OrtEngine:
 
     Raises:
         ArtifactError: the model file or the custom-op library is missing, or ORT cannot load them.
-        BackendUnavailableError: ``provider="cuda"`` without the CUDA execution provider, or a
-            custom-op library with an ONNX Runtime older than the 1.29 its API needs.
+        BackendUnavailableError: ``provider="cuda"`` without the CUDA execution provider, a
+            custom-op library with an ONNX Runtime older than the 1.29 its API needs, or a
+            ``$LADE_KERNELS_PATH`` that the library cannot honour (unknown, or this CPU lacks it).
     """
 
     name = "ort"
@@ -62,6 +63,11 @@ class OrtEngine:
             if version < (1, 29):
                 raise BackendUnavailableError(f"{path.parent} computes with lade kernels, which need onnxruntime>=1.29 "
                                               f"(installed: {ort.__version__})")
+            from ..kernels import running_path
+
+            chosen = running_path(custom_ops, "int8")  # a $LADE_KERNELS_PATH it cannot honour: one line, here
+            if chosen.startswith("error: "):
+                raise BackendUnavailableError(chosen[len("error: "):])
             try:
                 options.register_custom_ops_library(str(custom_ops))
             except Exception as err:

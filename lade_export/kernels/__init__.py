@@ -280,7 +280,7 @@ def running_path(path: str | Path, compute: str) -> str:
     try:
         return _library(path).lade_kernels_path(1 if compute == "int8" else 0).decode()
     except AttributeError:  # a library built before the paths were reported: float32 compute only
-        return "avx512 or portable (this library does not report its path)"
+        return "not reported (a library built before the integer path: avx512 or portable)"
 
 
 def compile_library(dest: str | Path) -> Path:
