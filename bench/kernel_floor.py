@@ -16,7 +16,7 @@ tokens), every artifact and row count alternating pass by pass (interleaved medi
 reports each against its own one-row time: what an extra row costs the weight kernels.
 
 Usage:
-    python bench/kernel_floor.py build/smollm2 build/smollm2-int4 [--past 256] [--repeats 41] \
+    python bench/kernel_floor.py artifacts/smollm2 artifacts/smollm2-int4 [--past 256] [--repeats 41] \
         [--threads 2] [--rows 1,16] [--out bench/results/kernel-floor.md]
 """
 

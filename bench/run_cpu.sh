@@ -5,7 +5,7 @@
 #
 # 1. Builds (once) the float32, int4, int4-lade (this project's kernels: float32 compute on
 #    Q4_1/Q8_0 blocks, needs scripts/fetch_ort_headers.sh), int4-greedy (int8 activations,
-#    greedy only) and int8 artifacts under build/ (delete one to rebuild it with the current
+#    greedy only) and int8 artifacts under artifacts/ (delete one to rebuild it with the current
 #    exporter).
 # 2. With --tune: tunes a profile for float32 and for int4 on MT-Bench prompts 16..23,
 #    validated on our own chat set (bench/prompts/chat.jsonl) — the shipped default
@@ -26,18 +26,18 @@ TUNE=0
 [ "${1:-}" = "--tune" ] && TUNE=1
 LLAMA=${LADE_LLAMA_CPP:-$HOME/.cache/lade-export/llama.cpp/bin}
 mkdir -p build bench/results
-[ -d build/smollm2 ] || lade-export build --out build/smollm2
-[ -d build/smollm2-int4 ] || lade-export build --out build/smollm2-int4 --precision int4
+[ -d artifacts/smollm2 ] || lade-export build --out artifacts/smollm2
+[ -d artifacts/smollm2-int4 ] || lade-export build --out artifacts/smollm2-int4 --precision int4
 bash scripts/fetch_ort_headers.sh
-[ -d build/smollm2-int4-lade ] || lade-export build --out build/smollm2-int4-lade --precision int4 --kernels lade
-[ -d build/smollm2-int8 ] || lade-export build --out build/smollm2-int8 --precision int8
+[ -d artifacts/smollm2-int4-lade ] || lade-export build --out artifacts/smollm2-int4-lade --precision int4 --kernels lade
+[ -d artifacts/smollm2-int8 ] || lade-export build --out artifacts/smollm2-int8 --precision int8
 # int4 layers and an 8-bit head with int8 activations (llama.cpp's Q4_1 x Q8_1 arithmetic): greedy only.
-[ -d build/smollm2-int4-greedy ] || lade-export build --out build/smollm2-int4-greedy --precision int4 \
+[ -d artifacts/smollm2-int4-greedy ] || lade-export build --out artifacts/smollm2-int4-greedy --precision int4 \
   --accuracy-level 4 --head-bits 8 --profile greedy-only
 
 if [ "$TUNE" = 1 ]; then
   for art in smollm2 smollm2-int4; do
-    lade-export tune "build/$art" --dataset mt_bench --skip 16 --limit 8 --max-new-tokens 256 \
+    lade-export tune "artifacts/$art" --dataset mt_bench --skip 16 --limit 8 --max-new-tokens 256 \
       --validate-dataset bench/prompts/chat.jsonl --validate-limit 8 \
       --out "bench/results/tuned-$art.toml" | tee "bench/results/tune-$art.log"
   done
@@ -50,13 +50,13 @@ else
   echo "llama.cpp not built (bash bench/build_llama_cpp.sh): running without the llama.cpp peers" >&2
 fi
 for ds in mt_bench humaneval gsm8k; do
-  lade-export compare build/smollm2 --dataset "$ds" --limit 16 --max-new-tokens 256 --profile default \
-    --also build/smollm2-int4 --also build/smollm2-int4-lade --also build/smollm2-int4-greedy \
-    --also build/smollm2-int8 "${PEERS[@]}" \
+  lade-export compare artifacts/smollm2 --dataset "$ds" --limit 16 --max-new-tokens 256 --profile default \
+    --also artifacts/smollm2-int4 --also artifacts/smollm2-int4-lade --also artifacts/smollm2-int4-greedy \
+    --also artifacts/smollm2-int8 "${PEERS[@]}" \
     --title "SmolLM2-135M-Instruct, $ds, 2-core CPU" \
     --out "bench/results/cpu-$ds" | tee "bench/results/compare-$ds.log"
 done
-lade-export compare build/smollm2 --dataset bench/prompts/chat.jsonl --limit 16 --max-new-tokens 256 \
-  --profile default --also build/smollm2-int4 --also build/smollm2-int4-lade \
+lade-export compare artifacts/smollm2 --dataset bench/prompts/chat.jsonl --limit 16 --max-new-tokens 256 \
+  --profile default --also artifacts/smollm2-int4 --also artifacts/smollm2-int4-lade \
   --title "SmolLM2-135M-Instruct, own chat set, 2-core CPU" \
   --out bench/results/cpu-chat | tee bench/results/compare-chat.log

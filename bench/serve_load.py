@@ -13,7 +13,7 @@ request starts when one ends) until --requests have finished. Per level it repor
 
 Usage (needs the serve extra and `pip install --no-deps nvidia-pytriton==0.7.0`):
 
-    python bench/serve_load.py build/smollm2 --dataset mt_bench --max-new-tokens 64 \\
+    python bench/serve_load.py artifacts/smollm2 --dataset mt_bench --max-new-tokens 64 \\
         --instances 2 --concurrency 1 2 4 8 --requests 16 --out bench/results/serving-smollm2.json
 
 Prints a markdown table; --out also keeps every request's figures as JSON.

@@ -11,7 +11,7 @@ With ``--interleave`` every pass of every artifact and step size alternates with
 curves alike; ``--sizes`` picks the step sizes.
 
 Usage:
-    python bench/step_costs.py build/smollm2 build/smollm2-int4 build/smollm2-int8 \
+    python bench/step_costs.py artifacts/smollm2 artifacts/smollm2-int4 artifacts/smollm2-int8 \
         [--past 256] [--repeats 9] [--sizes 1,2,4,8,16] [--interleave] [--out bench/results/step-costs.md]
 """
 

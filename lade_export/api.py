@@ -2,7 +2,7 @@
 
     import lade_export
 
-    model = lade_export.load("build/smollm2")            # ONNX Runtime on the CPU
+    model = lade_export.load("artifacts/smollm2")            # ONNX Runtime on the CPU
     result = model.generate("Hi!", max_new_tokens=64)    # chat template applied when the model has one
     print(result.text, result.stats.line())
 

@@ -271,8 +271,8 @@ def test_chat_template_renders_like_transformers(stories_dir, tmp_path):
 def test_readme_python_example_runs_as_written(stories_artifact, tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     code = readme.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    (tmp_path / "build").mkdir()
-    (tmp_path / "build" / "smollm2").symlink_to(stories_artifact)  # the README's path, a stories build behind it
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "smollm2").symlink_to(stories_artifact)  # the README's path, a stories build behind it
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "steps" in proc.stdout and "compression" in proc.stdout
