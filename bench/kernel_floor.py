@@ -155,15 +155,20 @@ def rows_table(args, session, rng) -> None:
                 s.run(None, feeds)
             runs.append((f"{path.name} ({compute} compute)", count, s, feeds))
     times = {(name, count): [] for name, count, _, _ in runs}
+    # one thread: the calling thread's CPU time (ONNX Runtime runs a one-thread session on it), which other
+    # processes on a shared machine do not inflate; else wall time
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     for r in range(args.repeats):
         for name, count, s, feeds in runs[r % len(runs):] + runs[:r % len(runs)]:
-            start = time.perf_counter()
+            time.sleep(0.02)  # the other sessions' idle pool threads stop spinning first
+            start = clock()
             s.run(None, feeds)
-            times[(name, count)].append(time.perf_counter() - start)
+            times[(name, count)].append(clock() - start)
     machine = environment()
     lines = [f"Weight kernels alone (every MatMulBlockQ of the step, head included, real weights), fed R rows, "
              f"interleaved median of {args.repeats} ({machine['cpu']}, {machine['cores']} cores, threads "
-             f"{args.threads or 'default'}): ms (× one row).", "",
+             f"{args.threads or 'default'}{'; CPU time of the calling thread' if args.threads == 1 else ''}): "
+             f"ms (× one row).", "",
              "| artifact | " + " | ".join(f"{c} rows" for c in counts) + " |", "| --- |" + " ---: |" * len(counts)]
     for name in dict.fromkeys(name for name, _, _, _ in runs):
         ms = [statistics.median(times[(name, c)]) * 1e3 for c in counts]

@@ -33,6 +33,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
     parser.add_argument("--sizes", default=None, help="step sizes, comma-separated (default: %s)" % ",".join(map(str, SIZES)))
     parser.add_argument("--interleave", action="store_true", help="alternate artifacts and sizes pass by pass")
+    parser.add_argument("--threads", type=int, default=None, help="engine threads (default: one per core)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="with --interleave --threads 1: time each pass by the calling thread's CPU time (ONNX "
+                             "Runtime runs a one-thread session on it), which other processes on a shared machine "
+                             "do not inflate")
     args = parser.parse_args()
     sizes = tuple(int(v) for v in args.sizes.split(",")) if args.sizes else SIZES
 
@@ -43,15 +48,18 @@ def main() -> None:
 
     curves = {}
     if args.interleave:
-        curves = interleaved_curves(args.artifacts, sizes, args.past, args.repeats)
+        if args.cpu_time and args.threads != 1:
+            parser.error("--cpu-time measures one-thread sessions: add --threads 1")
+        curves = interleaved_curves(args.artifacts, sizes, args.past, args.repeats, args.threads, args.cpu_time)
     for path in [] if args.interleave else args.artifacts:
-        with lade_export.load(path) as model:
+        with lade_export.load(path, threads=args.threads) as model:
             precision = model.artifact.manifest["graph"].get("precision", "fp32")
             curves[f"{path.name} ({precision})"] = measure_step_costs(model.decoder.engine, sizes, args.past,
                                                                       args.repeats)
     machine = environment()
     lines = [f"Step-cost curves at {args.past} cached tokens, median of {args.repeats} passes"
-             f"{' (interleaved)' if args.interleave else ''} "
+             f"{' (interleaved)' if args.interleave else ''}{f', {args.threads} thread(s)' if args.threads else ''}"
+             f"{', CPU time of the calling thread' if args.cpu_time else ''} "
              f"({machine['cpu']}, {machine['cores']} cores): ms per forward pass (× a one-token step of the same engine).", "",
              "| step tokens | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
     steps = sorted({row["step"] for rows in curves.values() for row in rows})
@@ -67,13 +75,17 @@ def main() -> None:
         write_text_atomic(args.out, text)
 
 
-def interleaved_curves(paths, sizes, past: int, repeats: int) -> dict:
+def interleaved_curves(paths, sizes, past: int, repeats: int, threads: int | None = None,
+                       cpu_time: bool = False) -> dict:
     """``{name: [{"step", "seconds", "relative"}]}`` as :func:`lade_export.tune.measure_step_costs`
-    gives, with the passes of all artifacts and sizes alternating (one warm-up pass each)."""
+    gives, with the passes of all artifacts and sizes alternating (one warm-up pass each, 20 ms
+    of sleep before each pass: an ONNX Runtime session's pool threads spin for a while after a
+    run and would slow the next session's pass). ``cpu_time``: seconds of the calling thread's
+    CPU time instead of wall time (for one-thread sessions)."""
     import lade_export
     from lade_export.feeds import example_feeds
 
-    models = [lade_export.load(p) for p in paths]
+    models = [lade_export.load(p, threads=threads) for p in paths]
     runs = []  # (name, size, engine, feeds)
     for path, model in zip(paths, models):
         engine = model.decoder.engine
@@ -85,12 +97,14 @@ def interleaved_curves(paths, sizes, past: int, repeats: int) -> dict:
     for _, _, engine, feeds in runs:
         engine.run(feeds)
     times = {(name, size): [] for name, size, _, _ in runs}
+    clock = time.thread_time if cpu_time else time.perf_counter
     for r in range(repeats):
         order = runs[r % len(runs):] + runs[:r % len(runs)]
         for name, size, engine, feeds in order:
-            start = time.perf_counter()
+            time.sleep(0.02)  # let the other sessions' idle pool threads stop spinning before this pass
+            start = clock()
             engine.run(feeds)
-            times[(name, size)].append(time.perf_counter() - start)
+            times[(name, size)].append(clock() - start)
     curves = {}
     for name, size, _, _ in runs:
         seconds = statistics.median(times[(name, size)])

@@ -243,7 +243,7 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     Returns:
         the manifest's ``quantization`` section: ``spec``, ``graph`` (sizes, op counts),
         ``quality`` (:func:`lade_export.quantize.quality_report`) and, with the lade kernels,
-        ``kernels``: ``library``, ``compute``, ``paths`` (per compute type, best first) and
+        ``kernels``: ``library``, ``compute``, ``paths`` (those it holds, per compute type) and
         ``path_at_build`` (the one the quality was measured on).
     """
     from .quantize import quality_report, quantize_step_graph

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import lade_export
 from lade_export.cli import main
 from lade_export.errors import ArtifactError, ProfileError
-from lade_export.kernels import LIBRARY, PATHS, compile_library, library_paths
+from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, library_paths
 from lade_export.profile import resolve_profile
 from lade_export.quantize import QuantSpec, dequantize_block_lanes, pack_block_lanes
 
@@ -196,7 +196,8 @@ def test_the_integer_path_differs_from_float32_compute_and_a_bad_forced_path_is_
               "print('{\"path\": \"%s\"}' % running_path(sys.argv[1], 'int8'))")
     assert _forced("sse9", script, library)["path"] == (
         "error: LADE_KERNELS_PATH=sse9 is none of amx, avx512vnni, avxvnni, avx2, avx512 (float32 compute), portable")
-    assert _forced(None, script, library)["path"] == next(p for p in PATHS["int8"] if library_paths(library)["int8"][p])
+    assert _forced(None, script, library)["path"] == next(p for p in PREFERENCE["int8"]
+                                                          if library_paths(library)["int8"][p])
     assert _forced("", script, library)["path"] == _forced(None, script, library)["path"]  # empty: not forced
 
 

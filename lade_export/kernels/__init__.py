@@ -30,8 +30,10 @@ operators": a shared library exporting ``RegisterCustomOps``, loaded with
   many-token step and int8 rounding amplifies that (:mod:`lade_export.quantize`): these
   artifacts decode greedily.
 
-The path is chosen once per process, best first: ``amx`` → ``avx512vnni`` → ``avxvnni`` →
-``avx2`` → ``portable`` (int8), ``avx512`` → ``portable`` (float32). ``$LADE_KERNELS_PATH``
+The path is chosen once per process: ``avx512vnni`` → ``amx`` → ``avxvnni`` → ``avx2`` →
+``portable`` (int8; AMX after AVX512-VNNI because, with a float epilogue per block of 32, its
+tiles measured slower on this project's Xeon — bench/results/step-costs.md), ``avx512`` →
+``portable`` (float32). ``$LADE_KERNELS_PATH``
 forces one (tests; an integer name also picks the float32 path it implies: ``amx`` and
 ``avx512vnni`` → ``avx512``, the others → ``portable``); ``LADE_KERNELS_PORTABLE=1`` means
 ``LADE_KERNELS_PATH=portable``. A forced path the CPU lacks, or an unknown name, makes every
@@ -71,8 +73,10 @@ from ..errors import BackendUnavailableError
 KERNELS = ("onnxruntime", "lade")
 #: ``--compute`` of ``--kernels lade``: int8 activations with integer sums (default), or float32.
 COMPUTE = ("int8", "float32")
-#: The library's paths per compute type, best first (names of ``$LADE_KERNELS_PATH``).
+#: The library's paths per compute type (names of ``$LADE_KERNELS_PATH``).
 PATHS = {"int8": ("amx", "avx512vnni", "avxvnni", "avx2", "portable"), "float32": ("avx512", "portable")}
+#: The order in which the library takes the first path this CPU has, per compute type.
+PREFERENCE = {"int8": ("avx512vnni", "amx", "avxvnni", "avx2", "portable"), "float32": ("avx512", "portable")}
 #: File name of the compiled library inside an artifact (``graph.custom_ops`` in the manifest).
 LIBRARY = "kernels/liblade_kernels.so"
 #: The custom-op domain of the operators.
