@@ -1,0 +1,171 @@
+"""Closed-loop serving benchmark in process: today's threads-on-one-engine path against
+the continuous-batching scheduler, same run, same engine, same prompts.
+
+For each concurrency level N and each mode, N client threads keep N requests in flight
+(a new one starts when one ends) until --requests have finished:
+
+* ``threads``   — ``Model.stream`` without a scheduler: every request runs its own
+  forward passes on the shared ONNX Runtime session (what ``lade_export.load()`` does today);
+* ``scheduler`` — the same ``Model`` with a :class:`lade_export.scheduler.Scheduler`:
+  every active request's next step shares one pass.
+
+Levels are run in order and the two modes alternate within a level, ``--rounds`` times
+(the machine may be shared: compare ratios within a level; the median round is shown).
+Per level and mode it reports aggregate new tokens over wall time (prefill included),
+TTFT p50/p99, per-token latency p50/p99, tokens per decode step, and for the scheduler
+the mean requests and rows per pass. Every output is compared with the same request's output at concurrency 1 without a scheduler.
+
+Usage:
+    python bench/serve_batched.py /work/artifacts/smollm2-lade --decoding greedy default \\
+        --concurrency 1 2 4 --requests 12 --max-new-tokens 128 --out bench/results/serving-batched-lade.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from serve_load import percentile  # noqa: E402
+
+CHAT = Path(__file__).resolve().parent / "prompts" / "chat.jsonl"
+
+
+def chat_prompts(first: int, count: int) -> list[str]:
+    """Records ``first … first+count−1`` of bench/prompts/chat.jsonl (the tuning runs validate
+    on the first 8, so the default 12…23 are outside every tuning and workload set)."""
+    rows = [json.loads(line) for line in CHAT.read_text().splitlines() if line.strip()]
+    return [r["prompt"] for r in rows[first:first + count]]
+
+
+def run_level(model, prompts, concurrency, total, max_new_tokens, profile, lookahead):
+    """One closed loop; returns per-request records and the wall time."""
+    records = [None] * total
+    counter = iter(range(total))
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            t_send = time.perf_counter()
+            marks, ids = [], []
+            stream = model.stream(prompts[i % len(prompts)], max_new_tokens=max_new_tokens, profile=profile,
+                                  lookahead=lookahead)
+            for chunk in stream:
+                marks.append((time.perf_counter(), len(chunk.token_ids)))
+                ids += chunk.token_ids
+            first = next(j for j, (_, k) in enumerate(marks) if k)
+            later = sum(k for _, k in marks[first + 1:])
+            records[i] = {"prompt": i % len(prompts), "ids": ids, "ttft_s": marks[first][0] - t_send,
+                          "tpot_s": (marks[-1][0] - marks[first][0]) / later if later else None,
+                          "steps": stream.result.stats.steps}
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records, time.perf_counter() - t0
+
+
+def summarize(records, wall, reference, scheduler=None, before=None) -> dict:
+    tokens = sum(len(r["ids"]) for r in records)
+    tpot = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
+    out = {"requests": len(records), "wall_s": wall, "new_tokens": tokens, "throughput_tok_s": tokens / wall,
+           "ttft_p50_ms": 1e3 * percentile([r["ttft_s"] for r in records], 50),
+           "ttft_p99_ms": 1e3 * percentile([r["ttft_s"] for r in records], 99),
+           "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
+           "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
+           "equal_to_solo": sum(r["ids"] == reference[r["prompt"]] for r in records)}
+    if scheduler is not None:
+        shapes = scheduler.pass_shapes - before
+        passes = sum(shapes.values())
+        out["passes"] = passes
+        out["requests_per_pass"] = sum(n * c for (n, _), c in shapes.items()) / max(passes, 1)
+        out["rows_per_pass"] = sum(r * c for (_, r), c in shapes.items()) / max(passes, 1)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifact")
+    ap.add_argument("--decoding", nargs="+", default=["greedy"], help="greedy and/or default (the model's profile) "
+                    "or a profile name")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--requests", type=int, default=12, help="requests per level and mode")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--first-prompt", type=int, default=12)
+    ap.add_argument("--token-budget", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="runs per level and mode, alternating; the median run "
+                    "(by throughput) is reported")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import lade_export
+    from lade_export.scheduler import TOKEN_BUDGET, Scheduler
+
+    prompts = chat_prompts(args.first_prompt, args.requests)
+    model = lade_export.load(args.artifact, threads=args.threads or None)
+    scheduler = Scheduler(model.decoder, token_budget=args.token_budget or TOKEN_BUDGET)
+    report = {"command": "python bench/serve_batched.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "artifact": args.artifact, "cores": os.cpu_count(), "load_average_before": os.getloadavg(),
+              "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "runs": []}
+    print(f"{args.artifact}: {len(prompts)} chat prompts, {args.max_new_tokens} new tokens, "
+          f"{args.requests} requests per level; load average {os.getloadavg()[0]:.2f}")
+    print("| decoding | concurrency | mode | tok/s | vs threads | TTFT p50/p99 (ms) | per-token p50/p99 (ms) | "
+          "tokens/step | requests/pass | rows/pass | = solo |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for decoding in args.decoding:
+        lookahead = decoding != "greedy"
+        profile = None if decoding in ("greedy", "default") else decoding
+        model.scheduler = None
+        model.generate(prompts[0], max_new_tokens=8, profile=profile, lookahead=lookahead)  # warm-up
+        solo, _ = run_level(model, prompts, 1, len(prompts), args.max_new_tokens, profile, lookahead)
+        reference = {r["prompt"]: r["ids"] for r in solo}
+        for c in args.concurrency:
+            row, runs = {}, {"threads": [], "scheduler": []}
+            for _ in range(args.rounds):
+                for mode in ("threads", "scheduler"):
+                    model.scheduler = scheduler if mode == "scheduler" else None
+                    before = scheduler.pass_shapes.copy()
+                    records, wall = run_level(model, prompts, c, args.requests, args.max_new_tokens, profile,
+                                              lookahead)
+                    runs[mode].append(summarize(records, wall, reference, scheduler if mode == "scheduler" else None,
+                                                before))
+            for mode in ("threads", "scheduler"):
+                ordered = sorted(runs[mode], key=lambda r: r["throughput_tok_s"])
+                s = row[mode] = ordered[(len(ordered) - 1) // 2]
+                s["round_throughputs"] = [r["throughput_tok_s"] for r in runs[mode]]
+                s["equal_to_solo"] = sum(r["equal_to_solo"] for r in runs[mode])
+                s["requests"] = sum(r["requests"] for r in runs[mode])
+                report["runs"].append({"decoding": decoding, "concurrency": c, "mode": mode, **s})
+                extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f}" if mode == "scheduler"
+                         else "– | –")
+                print(f"| {decoding} | {c} | {mode} | {s['throughput_tok_s']:.1f} | "
+                      f"{s['throughput_tok_s'] / row['threads']['throughput_tok_s']:.2f}× | "
+                      f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
+                      f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | "
+                      f"{s['equal_to_solo']}/{s['requests']} |", flush=True)
+    model.scheduler = None
+    scheduler.close()
+    model.close()
+    report["load_average_after"] = os.getloadavg()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
