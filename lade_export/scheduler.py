@@ -28,28 +28,30 @@ admits and retires requests between iterations):
   for their chunks. No pass runs while no reader waits.
 
 Why this formulation (measured, ``bench/batched_step_options.py``, SmolLM2-135M on a
-shared 2-core CPU, 256 cached tokens a request, medians of interleaved rounds):
+shared 2-core CPU, medians of interleaved rounds; ``bench/results/serving-batched.md``):
 
-=========================  =======================  ==========================
-B requests, w rows each     serial / packed pass     packed / per-request bound
-=========================  =======================  ==========================
-fp32, B=2, w=1              1.67–1.99×               0.94–1.13
-fp32, B=4, w=1              2.55–2.97×               1.08–1.36
-int4 (lade), B=4, w=1       1.69×                    1.49
-fp32, B=4, w=11             1.25–1.30×               1.54–1.61
-=========================  =======================  ==========================
+=================================  ===================  ==========================
+B requests, w rows, context C       serial / packed      packed / per-request bound
+=================================  ===================  ==========================
+fp32, B=2, w=1, C=256               1.67–1.99×           0.94–1.13
+fp32, B=4, w=1, C=256               2.55–2.97×           1.08–1.36
+fp32, B=4, w=11, C=256              1.25–1.30×           1.54–1.61
+int4 (lade), B=4, w=1, C=128        2.04×                1.24
+int4 (lade), B=4, w=1, C=384        1.39×                1.77
+=================================  ===================  ==========================
 
 ``serial`` is today's path (one pass per request), ``packed`` one pass over a shared
 pool, ``bound`` the same rows over a single request's cache (what attention per request
 — one attention node per slot, or a ragged-attention kernel — could at best achieve).
-Batching pays where the weight MatMuls share their reads: greedy-width steps, 1.7–3.0×
-at four requests. The packed pass over a pool needs no new graph input, so every artifact
-built before batches as it is (``onnx-ops`` and ONNX Runtime's ``GroupQueryAttention``,
-whose kernel refuses batch > 1 for a multi-token step with a cache but takes a batch-1
-step of any rows with a block-diagonal mask); its cost is attention over columns a row
-cannot see, which grows with requests × context and reaches 1.5× the bound for four
-wide lookahead steps. Wide steps gain little from batching on two cores (1.25×), so per-
-request attention is left for a later phase; the token budget bounds the waste.
+Batching pays where the weight MatMuls share their reads: greedy-width steps. The packed
+pass over a pool needs no new graph input, so every artifact built before batches as it
+is (``onnx-ops`` and ONNX Runtime's ``GroupQueryAttention``, whose kernel refuses batch
+> 1 for a multi-token step with a cache but takes a batch-1 step of any rows with a
+block-diagonal mask), and it let this phase land the scheduler with exact, tested
+results. Its cost is attention over columns a row cannot see, growing with requests ×
+context; it is worst where the MatMuls are cheap (int4: at 384 tokens four greedy steps
+cost 1.77× the bound, 1.4× serial instead of 2.5×). Attention per request, behind this
+same scheduler and pool interface, is the next phase.
 
 Limits: on a ``group-query-attention`` graph the pool holds at most ``max_context``
 tokens over all requests (the graph's rotary table bounds the key length of a pass).
