@@ -439,7 +439,10 @@ def test_every_documented_row_has_a_test():
                                    "api-numpy-numbers", "chat-control-strings", "dataset-not-found", "cpp-host-no-pybind11",
                                    # tests/test_kernels.py
                                    "build-kernels-headers-checksum", "build-compute-onnxruntime",
-                                   "build-compute-int8-lookahead", "kernels-path-forced"} | \
+                                   "build-compute-int8-lookahead", "kernels-path-forced",
+                                   # tests/test_scheduler.py
+                                   "api-batching-tensorrt", "api-batching-kv-pool", "api-scheduler-option",
+                                   "api-scheduler-closed"} | \
         set(TENSORRT_ROWS)
     documented = {r.split("`")[1] for r in rows}
     assert documented == ids
