@@ -346,7 +346,20 @@ def refuse_fused_attention_on_tensorrt(requested: str, tensorrt: bool) -> None:
                            "parse; --engine tensorrt takes --attention onnx-ops")
 
 
-def choose_attention(requested: str, dims, tensorrt: bool = False) -> str:
+def refuse_fused_attention_on_rows_exact(requested: str) -> None:
+    """Raise before any work when an int8-compute lade build asks for ``group-query-attention``.
+
+    Raises:
+        ProfileError: ``requested`` is ``group-query-attention``.
+    """
+    from .errors import ProfileError
+
+    if requested == "group-query-attention":
+        raise ProfileError("--compute int8 computes attention with the lade kernels (each row over the keys it sees, "
+                           "for exact lookahead), on the onnx-ops graph: drop --attention group-query-attention")
+
+
+def choose_attention(requested: str, dims, tensorrt: bool = False, rows_exact: bool = False) -> str:
     """The attention formulation of a build (``--attention``).
 
     ``auto`` picks ``group-query-attention`` — ONNX Runtime's fused RoPE + attention op
@@ -355,16 +368,21 @@ def choose_attention(requested: str, dims, tensorrt: bool = False) -> str:
     for ONNX Runtime builds whose head width it accepts (a multiple of 16), else
     ``onnx-ops`` (standard operators, sequence-major cache; what TensorRT parses).
 
+    ``rows_exact`` (int8-compute lade builds, whose attention becomes the kernels'
+    ``AttentionRows``, :func:`lade_export.quantize.exact_attention`) takes ``onnx-ops``.
+
     Raises:
-        ProfileError: ``group-query-attention`` asked for a TensorRT build or a head width
-            of the model that ONNX Runtime's kernel refuses; an unknown value.
+        ProfileError: ``group-query-attention`` asked for a TensorRT build, for ``rows_exact``
+            or for a head width of the model that ONNX Runtime's kernel refuses; an unknown value.
     """
     from .errors import ProfileError
     from .graph import ATTENTION_KINDS
 
     fits = dims.head_dim % 16 == 0
+    if rows_exact:
+        refuse_fused_attention_on_rows_exact(requested)
     if requested == "auto":
-        return "group-query-attention" if fits and not tensorrt else "onnx-ops"
+        return "group-query-attention" if fits and not tensorrt and not rows_exact else "onnx-ops"
     if requested not in ATTENTION_KINDS:
         raise ProfileError(f"--attention must be auto, {' or '.join(ATTENTION_KINDS)}, got {requested!r}")
     refuse_fused_attention_on_tensorrt(requested, tensorrt)
@@ -414,7 +432,9 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         loaded = loaded or load_model(source)
         reference_step = DecoderStep(loaded.model).eval()
         dims = reference_step.dims
-        attention = choose_attention(attention, dims, tensorrt=engine_options is not None)
+        attention = choose_attention(attention, dims, tensorrt=engine_options is not None,
+                                     rows_exact=quantization is not None and quantization.kernels == "lade"
+                                     and quantization.compute == "int8")
         step = reference_step if attention == "onnx-ops" else DecoderStep(loaded.model, attention=attention).eval()
         if step.rope.reason:
             say(f"note: {step.rope.reason}")

@@ -113,9 +113,9 @@ def _profiles(values) -> list:
                    "kernels (GGML Q4_1/Q8_0 blocks; see --compute), a library compiled at build time into the "
                    "artifact (needs g++; ONNX Runtime's headers are downloaded once, ~150 MB).")
 @click.option("--compute", type=click.Choice(COMPUTE), default=None,
-              help="--kernels lade: float32 (default): float32 FMAs, exact lookahead; int8: activations rounded to "
-                   "int8 per row and block of 32, integer dot products (AMX, VNNI, AVX2; the same bits on every "
-                   "CPU), greedy only (--profile greedy-only).")
+              help="--kernels lade: int8 (default): activations rounded to int8 per row and block of 32, integer "
+                   "dot products (VNNI, AMX, AVX2; the same bits on every CPU), attention by the kernels too; "
+                   "float32: float32 FMAs, tokens closer to the float32 engine's. Lookahead is exact with both.")
 @click.option("--attention", type=click.Choice(["auto", "onnx-ops", "group-query-attention"]), default="auto",
               show_default=True,
               help="ONNX Runtime builds: group-query-attention fuses each layer's RoPE and attention into ONNX "
@@ -137,7 +137,8 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
     (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
     per profile)."""
-    from .build import build_artifact, default_profile_for, refuse_fused_attention_on_tensorrt
+    from .build import (build_artifact, default_profile_for, refuse_fused_attention_on_rows_exact,
+                        refuse_fused_attention_on_tensorrt)
     from .optimization_profiles import describe_plan, engine_plans
     from .quantize import ORT_PRECISIONS, QuantSpec
 
@@ -171,19 +172,14 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         headers_at_hand = require_toolchain(fetch=not dry_run)
         if quantization.compute == "float32" and cpu_has_avx512() is False:
             click.echo("note: this CPU lacks AVX-512 (avx512f/bw/vl/dq); the float32-compute lade kernels take their "
-                       "portable path here, about 12x slower than on an AVX-512 CPU: --kernels onnxruntime (or --compute int8, "
-                       "greedy only) is faster on it",
-                       err=True)
+                       "portable path here, about 12x slower than on an AVX-512 CPU: --compute int8 (AVX2) is faster "
+                       "on it", err=True)
         elif quantization.compute == "int8" and cpu_has_avx2() is False:
             click.echo("note: this CPU lacks AVX2 (avx2/fma/f16c); the lade kernels take their portable path here, "
                        "many times slower: --kernels onnxruntime is faster on it", err=True)
-    greedy_only = quantization is not None and quantization.kernels == "lade" and not quantization.lookahead_exact
-    profiles = _profiles(profile_values or ("greedy-only" if greedy_only else default_profile_for(precision, kernels),))
-    if greedy_only and any(p.enabled for p in profiles):
-        raise ProfileError("--compute int8 rounds each row's activations to int8, which amplifies the float32 "
-                           "differences between a one-token and a many-token step in the rest of the graph "
-                           "(attention), so lookahead would not be exact; give --profile greedy-only, or --compute "
-                           "float32")
+    profiles = _profiles(profile_values or (default_profile_for(precision, kernels),))
+    if quantization is not None and quantization.kernels == "lade" and quantization.compute == "int8":
+        refuse_fused_attention_on_rows_exact(attention)  # before any work
     if quantization is not None and not quantization.lookahead_exact and any(p.enabled for p in profiles):
         raise ProfileError(f"--precision {precision} with accuracy level {quantization.accuracy_level} computes one-token "
                            "and multi-token steps differently (int8 activations), so lookahead would not be exact; "

@@ -61,22 +61,21 @@ the default.
 blocks of 32 stored as GGML's Q4_1 (``w = D·code + M``, float16 D and M: a Q4_1 checkpoint's
 blocks as they are) and, for the head and the tied embedding (8 bits by default there),
 Q8_0's. Each output row is computed from its own input row alone, and no residual term is
-needed. The arithmetic is ``compute``: ``float32`` by default, which keeps lookahead exact at
-4 and at 8 bits (on SmolLM2 its weights are exactly the GGUF's, top-1 agreement 100%), or
-``int8`` (``build --compute int8``): each row's activations rounded per block of 32 (GGML's
-Q8_0 activation blocks), integer dot products, the scales applied in float32 in one fixed
-order, bit-identical on every CPU path. The int8 kernels are row-exact, but the rest of the
-step graph is not bit for bit the same in a one-token and a many-token step: attention sums
-over past + step columns (the masked ones are exact zeros, yet ONNX Runtime's MatMul and
-GroupQueryAttention group the sums by length), measured on stories260K as 3.6e-7 apart in
-layer 1's attention output for a 1-row against a 3-row step, on SmolLM2 5e-5 in the logits.
-Float32 weight kernels carry such differences through smoothly (lookahead equals greedy in
-every test); rounding activations to int8 flips a rounding here and there (stories260K int4:
-5 of 15 lookahead outputs left greedy's within 96 tokens; 1 of 15 with every greedy step
-padded to two rows), so int8-compute artifacts say ``lookahead_exact: false`` and decode
-greedily, like ONNX Runtime's int8. On SmolLM2 the artifact is 96 MB instead of 192 and a
-one-token step reads about the bytes llama.cpp's Q4_1 step reads (bench/results/README.md
-has the measured speed).
+needed. The arithmetic is ``compute``: ``int8`` (the default) rounds each row's activations per
+block of 32 (GGML's Q8_0 activation blocks) and sums in integers, the scales applied in float32
+in one fixed order, bit-identical on every CPU path; ``float32`` (``build --compute float32``)
+keeps float32 FMAs, whose tokens stay closer to the float32 engine's (on SmolLM2 its weights are
+exactly the GGUF's, top-1 agreement 100%; int8 activations: 96%). Row-exact weight kernels are
+not enough for int8 activations: ONNX Runtime's attention is not bit for bit the same in a
+one-token and a many-token step (its sums over past + step columns are grouped by length, and
+the cache part and the step part are added; 3.6e-7 apart on stories260K, 5e-5 in SmolLM2's
+logits), which float32 weights pass on smoothly but int8 rounding amplifies (5 of 15 lookahead
+outputs left greedy's on stories260K). So an int8 build takes the ``onnx-ops`` attention and
+:func:`exact_attention` replaces each by the kernels' ``AttentionRows``, which computes a query
+row over the keys it sees in position order in one pass: then every row of a step is the same
+bits as alone, and lookahead is exact again. On SmolLM2 the artifact is 96 MB instead of 192
+and a one-token step reads about the bytes llama.cpp's Q4_1 step reads (bench/results/ has the
+measured speed).
 
 Attention itself (softmax, the KV cache) stays float32; the I/O contract of the step graph
 (:mod:`lade_export.specs`) does not change. Quality against the float32 graph is measured
@@ -148,14 +147,11 @@ class QuantSpec:
     @property
     def lookahead_exact(self) -> bool:
         """Whether lookahead decodes the engine's greedy tokens: float32 compute (accuracy
-        level 0 or 1, or this project's kernels with ``compute="float32"``). Not with int8
-        activations: ONNX Runtime's level 4 rounds them differently per row count, and even
-        the lade kernels' row-exact int8 path inherits the float32 differences that the rest
-        of the graph (attention's sums over past + step columns) has between a one-token and
-        a many-token step, and rounding to int8 amplifies them (module docstring)."""
-        if self.kernels == "lade":
-            return self.compute == "float32"
-        return self.accuracy_level in (0, 1)
+        level 0 or 1) with ONNX Runtime's kernels, and this project's kernels with either
+        compute type (int8: with :func:`exact_attention`, which the build applies). Not ONNX
+        Runtime's level 4, which rounds activations differently per row count (module
+        docstring)."""
+        return self.kernels == "lade" or self.accuracy_level in (0, 1)
 
     @classmethod
     def for_precision(cls, precision: str, block_size: int | None = None, accuracy_level: int | None = None,
@@ -164,9 +160,8 @@ class QuantSpec:
         """The spec of ``--precision int4|int8``. With ONNX Runtime's kernels int4 computes
         in float32 (accuracy level 1, exact lookahead) and int8 with int8 activations (level
         4); the head stays float32 unless ``head_bits``. With ``kernels="lade"`` both take
-        ``compute`` (default ``float32``: exact lookahead; ``int8``: the integer path, the same
-        bits on every CPU, greedy only — see :attr:`lookahead_exact`), and the head defaults
-        to 8 bits.
+        ``compute`` (default ``int8``: the integer path, the same bits on every CPU; ``float32``:
+        float32 FMAs), exact lookahead either way, and the head defaults to 8 bits.
 
         Raises:
             ProfileError: ``--accuracy-level`` with ``kernels="lade"`` (whose compute type is
@@ -175,10 +170,10 @@ class QuantSpec:
         bits = ORT_PRECISIONS[precision]
         if kernels == "lade":
             if accuracy_level is not None:
-                raise ProfileError(f"--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; "
-                                   f"--kernels lade computes in float32: drop --accuracy-level {accuracy_level}")
+                raise ProfileError(f"--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; --kernels "
+                                   f"lade takes --compute int8|float32 instead: drop --accuracy-level {accuracy_level}")
             return cls(bits, block_size or LANE_BLOCK, 0, 8 if head_bits is None else head_bits, kernels,
-                       compute or "float32")
+                       compute or "int8")
         level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)
         return cls(bits, block_size or 32, level, head_bits or 0, kernels, compute or "float32")
 
@@ -435,6 +430,85 @@ def _nbits_embedding(graph, embed: np.ndarray, head, gather, spec: QuantSpec) ->
     return nodes, embedding
 
 
+def _producer_skipping_casts(producers: dict, name: str):
+    node = producers.get(name)
+    while node is not None and node.op_type == "Cast":
+        node = producers.get(node.input[0])
+    return node
+
+
+def exact_attention(graph) -> int:
+    """Replace every attention of an ``onnx-ops`` step graph (:mod:`lade_export.graph`: scores
+    against the cache and against this step, concatenated, scaled, masked by ``Where``, softmax,
+    then the two value products added) by one ``AttentionRows`` of the lade kernels, which computes
+    each query row over the keys it sees in position order, in one pass over cache and step, so
+    that a row's bits do not depend on the step's width (what int8 activations need for exact
+    lookahead; :mod:`lade_export.kernels`). Nodes left without consumers are dropped.
+
+    Returns:
+        the number of attentions replaced.
+
+    Raises:
+        ValueError: a ``Softmax`` of the graph is not inside that pattern.
+    """
+    from onnx import helper, numpy_helper
+
+    from .kernels import DOMAIN
+
+    producers = {o: n for n in graph.node for o in n.output}
+    consumers = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    inits = {i.name: i for i in graph.initializer}
+    replaced, drop, insert = 0, set(), {}
+
+    def only(name, op):
+        found = [n for n in consumers.get(name, []) if n.op_type != "Cast"] or \
+            [m for n in consumers.get(name, []) if n.op_type == "Cast" for m in consumers.get(n.output[0], [])]
+        if len(found) != 1 or found[0].op_type != op:
+            raise ValueError(f"attention pattern: {name} does not feed one {op}")
+        return found[0]
+
+    for softmax in [n for n in graph.node if n.op_type == "Softmax"]:
+        where = _producer_skipping_casts(producers, softmax.input[0])
+        if where is None or where.op_type != "Where":
+            raise ValueError(f"attention pattern: {softmax.name} does not follow a Where")
+        reshape = producers[where.input[2]]
+        scale_mul = producers[reshape.input[0]]
+        scale = next(numpy_helper.to_array(inits[i]) for i in scale_mul.input if i in inits)
+        concat = next(producers[i] for i in scale_mul.input if i not in inits)
+        past_scores, step_scores = (producers[i] for i in concat.input)
+        fill = float(numpy_helper.to_array(inits[where.input[1]]))
+        if (reshape.op_type, scale_mul.op_type, concat.op_type, past_scores.op_type, step_scores.op_type) != \
+                ("Reshape", "Mul", "Concat", "MatMul", "MatMul") or fill > -1e30 or scale.size != 1:
+            raise ValueError(f"attention pattern: {softmax.name}'s scores are not the onnx-ops form")
+        view = only(softmax.output[0], "Reshape")
+        slices = [n for n in consumers[view.output[0]] if n.op_type == "Slice"]
+        products = [only(sl.output[0], "MatMul") for sl in slices]
+        add = only(products[0].output[0], "Add")
+        starts = [int(numpy_helper.to_array(inits[sl.input[1]]).ravel()[0]) if sl.input[1] in inits else None
+                  for sl in slices]
+        past_values, step_values = (products if starts[0] == 0 else products[::-1])
+        rows = helper.make_node("AttentionRows", [past_scores.input[0], past_scores.input[1], step_scores.input[1],
+                                                  past_values.input[1], step_values.input[1], where.input[0]],
+                                list(add.output), name=f"{softmax.name}_rows", domain=DOMAIN, scale=float(scale))
+        for n in (past_scores, step_scores, concat, scale_mul, reshape, where, softmax, view, *slices, *products, add):
+            drop.add(n.name)
+        insert[add.name] = rows
+        replaced += 1
+    nodes = [insert.get(n.name, n) for n in graph.node if n.name not in drop or n.name in insert]
+    while True:  # drop what now feeds nothing (shape arithmetic of the old pattern)
+        used = {i for n in nodes for i in n.input} | {o.name for o in graph.output}
+        kept = [n for n in nodes if any(o in used for o in n.output)]
+        if len(kept) == len(nodes):
+            break
+        nodes = kept
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return replaced
+
+
 def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed_name: str = "embed_tokens.weight",
                         tied_transpose: str = "lm_head_tied_transpose") -> dict:
     """Write a weight-only quantized copy of the float32 step graph ``src`` to ``dst``.
@@ -509,6 +583,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         graph.node.remove(gather)
         for k, node in enumerate(extra):
             graph.node.insert(position + k, node)
+    attentions = exact_attention(graph) if spec.kernels == "lade" and spec.compute == "int8" else 0
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
     if not any(o.domain == domain for o in model.opset_import):
@@ -518,7 +593,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=dst.name + ".data", size_threshold=1024)
     size = dst.stat().st_size + (dst.parent / (dst.name + ".data")).stat().st_size
-    return {"matmuls": matmuls, "embedding": embedding, "bytes_before": int(bytes_before), "bytes_after": int(size)}
+    return {"matmuls": matmuls, "embedding": embedding, "bytes_before": int(bytes_before), "bytes_after": int(size),
+            **({"attention_rows": attentions} if attentions else {})}
 
 
 def quality_report(reference_engine, quantized_engine, sequences: list[tuple[list[int], int]]) -> dict:

@@ -330,8 +330,8 @@ CASES = [
      "--kernels applies to int8/int4 ONNX Runtime builds (--precision int8 or int4); this build is fp32"),
     ("build-kernels-accuracy-level", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--kernels", "lade",
                                                       "--accuracy-level", 4, "--out", t / "o"], 2,
-     "--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; --kernels lade computes in float32: drop "
-     "--accuracy-level 4"),
+     "--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; --kernels lade takes --compute "
+     "int8|float32 instead: drop --accuracy-level 4"),
     ("build-kernels-block-size", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--kernels", "lade",
                                                   "--block-size", 64, "--out", t / "o"], 2,
      "--kernels lade uses blocks of 32 weights (GGML's Q4_1/Q8_0); drop --block-size 64"),
@@ -439,7 +439,7 @@ def test_every_documented_row_has_a_test():
                                    "api-numpy-numbers", "chat-control-strings", "dataset-not-found", "cpp-host-no-pybind11",
                                    # tests/test_kernels.py
                                    "build-kernels-headers-checksum", "build-compute-onnxruntime",
-                                   "build-compute-int8-lookahead", "kernels-path-forced",
+                                   "build-compute-int8-gqa", "kernels-path-forced",
                                    # tests/test_scheduler.py
                                    "api-batching-tensorrt", "api-batching-kv-pool", "api-scheduler-option",
                                    "api-scheduler-closed"} | \

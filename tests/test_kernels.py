@@ -239,70 +239,101 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     assert m["graph"]["precision"] == "int4" and m["graph"]["lookahead_exact"] is True
     assert LIBRARY in m["files"] and m["files"][LIBRARY]["bytes"] == (stories_lade / LIBRARY).stat().st_size
     spec = m["quantization"]["spec"]
-    assert (spec["kernels"], spec["bits"], spec["head_bits"], spec["compute"]) == ("lade", 4, 8, "float32")
-    assert m["default_profile"] == "default-int4"
-    assert m["quantization"]["quality"]["top1_agreement"] > 0.85  # 4-bit stories260K: 90% measured
+    assert (spec["kernels"], spec["bits"], spec["head_bits"], spec["compute"]) == ("lade", 4, 8, "int8")
+    assert m["default_profile"] == "default-int4" and m["graph"]["attention"] == "onnx-ops"
+    assert m["quantization"]["quality"]["top1_agreement"] > 0.85  # 4-bit stories260K, int8 activations: 90.2%
+    assert m["quantization"]["graph"]["attention_rows"] == 5
     kernels = m["quantization"]["kernels"]
     assert kernels["paths"] == {"int8": ["amx", "avx512vnni", "avxvnni", "avx2", "portable"],
                                 "float32": ["avx512", "portable"]}
-    assert kernels["compute"] == "float32" and kernels["path_at_build"] in PATHS["float32"]
+    assert kernels["compute"] == "int8" and kernels["path_at_build"] in PATHS["int8"]
     graph = onnx.load(str(stories_lade / "model.onnx"), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
     # 5 layers × (q/k/v, o, gate/up) + the head; the 172-wide down projection is no multiple of 32 and stays float32
     assert ops.count("MatMulBlockQ") == 16 and ops.count("GatherBlockQ") == 1
-    # float32 compute: no compute attribute, as in graphs made before the integer path
-    assert not [a for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
-    weights = {i.name for i in graph.graph.initializer}
-    assert "MatMulNBits" not in ops
-    assert sum(n.op_type == "MatMul" and n.input[1] in weights for n in graph.graph.node) == 5
-    shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_lade)]).output.split())
-    assert ("weights: int4 layers, 8-bit head and embedding, lade kernels (kernels/liblade_kernels.so; float32 "
-            "compute, paths avx512, portable); lookahead exact: True; top-1 agreement with float32") in shown
-    result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--max-new-tokens", "4"])
-    assert result.exit_code == 0
-    assert f"[kernels] lade, float32 compute, path: {kernels['path_at_build']}\n" in result.stderr
-
-
-@pytest.fixture(scope="module")
-def stories_int8c(tmp_path_factory, stories_dir, stories_loaded):
-    from lade_export.build import build_artifact
-
-    out = tmp_path_factory.mktemp("lade-int8c") / "art"
-    build_artifact(str(stories_dir), [resolve_profile("greedy-only")], out, loaded=stories_loaded,
-                   quantization=QuantSpec.for_precision("int4", kernels="lade", compute="int8"))
-    return out
-
-
-def test_an_int8_compute_build_records_its_paths_and_decodes_greedily(stories_int8c, stories_dir, tmp_path):
-    import onnx
-
-    m = json.loads((stories_int8c / "manifest.json").read_text())
-    spec, kernels = m["quantization"]["spec"], m["quantization"]["kernels"]
-    assert (spec["compute"], spec["lookahead_exact"], m["graph"]["lookahead_exact"]) == ("int8", False, False)
-    assert kernels["compute"] == "int8" and kernels["path_at_build"] in PATHS["int8"]
-    assert m["quantization"]["quality"]["top1_agreement"] > 0.85  # 4-bit stories260K, int8 activations: 89.5%
-    graph = onnx.load(str(stories_int8c / "model.onnx"), load_external_data=False)
     computes = [a.i for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
     assert computes == [1] * 16
-    shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_int8c)]).output.split())
-    assert ("lade kernels (kernels/liblade_kernels.so; int8 compute, paths amx, avx512vnni, avxvnni, avx2, portable); "
-            "lookahead exact: False; top-1 agreement with float32 89.5%") in shown
-    result = CliRunner().invoke(main, ["generate", str(stories_int8c), "--prompt", "Once", "--max-new-tokens", "4"])
+    # each layer's attention is one AttentionRows: no Softmax, and the only float MatMuls left are the down projections
+    assert ops.count("AttentionRows") == 5 and "Softmax" not in ops
+    weights = {i.name for i in graph.graph.initializer}
+    assert "MatMulNBits" not in ops
+    assert sum(n.op_type == "MatMul" for n in graph.graph.node) == 5
+    assert sum(n.op_type == "MatMul" and n.input[1] in weights for n in graph.graph.node) == 5
+    shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_lade)]).output.split())
+    agreement = m["quantization"]["quality"]["top1_agreement"]
+    assert ("weights: int4 layers, 8-bit head and embedding, lade kernels (kernels/liblade_kernels.so; int8 compute, "
+            "paths amx, avx512vnni, avxvnni, avx2, portable); lookahead exact: True; top-1 agreement with float32 "
+            f"{100 * agreement:.1f}%") in shown
+    result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--max-new-tokens", "4"])
     assert result.exit_code == 0
     assert f"[kernels] lade, int8 compute, path: {kernels['path_at_build']}\n" in result.stderr
+
+
+def test_every_row_of_a_step_is_the_bits_it_has_alone(stories_lade):
+    """The whole int8 step graph, not only its weight kernels: a token's logits and keys/values are
+    the same bits in a one-token step and as row 0 of steps of 2…16 tokens over the same cache."""
+    from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
+    from lade_export.specs import past_key_name, past_value_name, present_key_name, present_value_name
+
+    model = lade_export.load(stories_lade)
+    engine, dims = model.decoder.engine, model.artifact.dims
+    rng = np.random.default_rng(0)
+    out = run_sequence_major(engine, {**causal_feeds(list(rng.integers(3, dims.vocab, 20)), 0), **empty_past_feeds(dims)})
+    cache = {}
+    for i in range(dims.num_layers):
+        cache[past_key_name(i)], cache[past_value_name(i)] = out[present_key_name(i)], out[present_value_name(i)]
+    names = ["logits"] + [present_key_name(i) for i in range(dims.num_layers)] + \
+        [present_value_name(i) for i in range(dims.num_layers)]
+    alone = None
+    for width in (1, 2, 3, 5, 8, 16):
+        ids = [7] + list(rng.integers(3, dims.vocab, width - 1))
+        got = run_sequence_major(engine, {**causal_feeds(ids, 20, logit_rows=np.arange(width)), **cache},
+                                 with_logits=True)
+        rows = {n: got[n][:, :1] for n in names}
+        alone = alone or rows
+        assert all(np.array_equal(rows[n], alone[n]) for n in names), width
+
+
+def test_attention_rows_matches_float64_and_names_bad_shapes(library):
+    from onnx import TensorProto, helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    rng = np.random.default_rng(6)
+    b, kv, group, s, p, d = 1, 2, 3, 4, 37, 16
+    q = rng.standard_normal((b, kv, group * s, d)).astype(np.float32)
+    pk, k = rng.standard_normal((b, kv, d, p)).astype(np.float32), rng.standard_normal((b, kv, d, s)).astype(np.float32)
+    pv, v = rng.standard_normal((b, kv, p, d)).astype(np.float32), rng.standard_normal((b, kv, s, d)).astype(np.float32)
+    masked = rng.random((b, 1, 1, s, p + s)) < 0.3
+    masked[..., 0] = False  # every row sees a key
+    node = helper.make_node("AttentionRows", ["q", "pk", "k", "pv", "v", "m"], ["o"], domain="lade_export", scale=0.25)
+    names = [("q", TensorProto.FLOAT), ("pk", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("pv", TensorProto.FLOAT),
+             ("v", TensorProto.FLOAT), ("m", TensorProto.BOOL)]
+    sess = _session(library, [node], {}, [(n, t, None) for n, t in names])
+    got = sess.run(None, {"q": q, "pk": pk, "k": k, "pv": pv, "v": v, "m": masked})[0]
+    keys = np.concatenate([pk, k], -1).astype(np.float64)  # [b, kv, d, total]
+    values = np.concatenate([pv, v], 2).astype(np.float64)
+    scores = np.einsum("bhrd,bhdj->bhrj", q.astype(np.float64), keys) * 0.25
+    rows_masked = masked[:, 0, 0][:, None, np.arange(group * s) % s]  # row r is step row r mod S
+    scores = np.where(rows_masked, -np.inf, scores)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = np.einsum("bhrj,bhjd->bhrd", weights / weights.sum(-1, keepdims=True), values)
+    assert 0 < np.max(np.abs(got - ref)) < 1e-5
+    with pytest.raises(InvalidArgument, match=r"AttentionRows: Q \[1, 2, 12, 16\], PK \[1, 2, 16, 37\], K "
+                                              r"\[1, 2, 16, 4\], PV \[1, 2, 36, 16\], V .* do not fit together"):
+        sess.run(None, {"q": q, "pk": pk, "k": k, "pv": pv[:, :, 1:], "v": v, "m": masked})
+
+
+def test_int8_compute_refuses_group_query_attention_and_a_bad_forced_path(stories_lade, stories_dir, tmp_path):
     env = {**os.environ, "LADE_KERNELS_PATH": "sse9"}  # read once per process: a fresh one
-    done = subprocess.run([sys.executable, "-m", "lade_export.cli", "generate", str(stories_int8c), "--prompt", "Once",
+    done = subprocess.run([sys.executable, "-m", "lade_export.cli", "generate", str(stories_lade), "--prompt", "Once",
                            "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip() == (
         "error: LADE_KERNELS_PATH=sse9 is none of amx, avx512vnni, avxvnni, avx2, avx512 (float32 compute), portable")
-    with pytest.raises(ProfileError, match="this engine computes one-token and multi-token steps differently"):
-        lade_export.load(stories_int8c).generate("Once upon a time", max_new_tokens=8, profile="default")
     result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int4", "--kernels", "lade",
-                                       "--compute", "int8", "--profile", "default", "--out", str(tmp_path / "o")])
+                                       "--attention", "group-query-attention", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and result.stderr.strip() == (
-        "error: --compute int8 rounds each row's activations to int8, which amplifies the float32 differences between "
-        "a one-token and a many-token step in the rest of the graph (attention), so lookahead would not be exact; "
-        "give --profile greedy-only, or --compute float32")
+        "error: --compute int8 computes attention with the lade kernels (each row over the keys it sees, for exact "
+        "lookahead), on the onnx-ops graph: drop --attention group-query-attention")
     assert not (tmp_path / "o").exists()
 
 
@@ -312,8 +343,8 @@ def test_lookahead_equals_greedy_on_the_lade_engine(stories_lade, reference_gree
     assert_lookahead_equals_greedy(stories_lade, reference_greedy)
 
 
-# Greedy decoding of an int8-compute artifact, in a subprocess per forced path: the tokens (and a
-# digest of the logits of a 32-token step) that path gives, under 1 or 2 threads.
+# Lookahead against greedy on an int8-compute artifact, in a subprocess per forced path: the greedy
+# tokens, whether every profile gave them, the steps taken, and a digest of a 32-token step's logits.
 _DECODE_CHECK = r"""
 import hashlib, json, sys
 import numpy as np
@@ -322,18 +353,24 @@ from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
 from lade_export.kernels import running_path
 model = lade_export.load(sys.argv[1], threads=int(sys.argv[3]))
 model.decoder.stop_token_ids = frozenset()
-greedy = [model.generate(ids, max_new_tokens=96, lookahead=False).token_ids for ids in json.loads(sys.argv[2])]
+greedy, same, steps = [], True, []
+for ids in json.loads(sys.argv[2]):
+    base = model.generate(ids, max_new_tokens=96, lookahead=False)
+    greedy.append(base.token_ids)
+    for profile in ("default-int4", "default", "paper", "2,3,2,6,2", "0,3,2,6,2"):
+        look = model.generate(ids, max_new_tokens=96, profile=profile)
+        same &= look.token_ids == base.token_ids
+        steps.append((look.stats.steps, base.stats.steps))
 engine, dims = model.decoder.engine, model.artifact.dims
-ids = greedy[0][:32]
-logits = run_sequence_major(engine, {**causal_feeds(ids, 0, logit_rows=np.arange(32)), **empty_past_feeds(dims)},
-                            with_logits=True)["logits"]
-print(json.dumps({"path": running_path(model.artifact.custom_ops_path, "int8"), "greedy": greedy,
-                  "logits": hashlib.sha256(logits.tobytes()).hexdigest()}))
+logits = run_sequence_major(engine, {**causal_feeds(greedy[0][:32], 0, logit_rows=np.arange(32)),
+                                     **empty_past_feeds(dims)}, with_logits=True)["logits"]
+print(json.dumps({"path": running_path(model.artifact.custom_ops_path, "int8"), "greedy": greedy, "same": same,
+                  "steps": steps, "logits": hashlib.sha256(logits.tobytes()).hexdigest()}))
 """
 
 
 @pytest.fixture(scope="module")
-def tiny_int8c(tmp_path_factory):
+def tiny_lade(tmp_path_factory):
     from lade_export.build import build_artifact
 
     from .conftest import tiny_checkpoint
@@ -341,33 +378,35 @@ def tiny_int8c(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-lade")
     ckpt = tiny_checkpoint(root / "ckpt", seed=7)
     out = root / "art"
-    build_artifact(str(ckpt), [resolve_profile("greedy-only")], out,
-                   quantization=QuantSpec.for_precision("int4", kernels="lade", compute="int8"))
+    build_artifact(str(ckpt), [resolve_profile("default-int4")], out,
+                   quantization=QuantSpec.for_precision("int4", kernels="lade"))
     return out
 
 
 @pytest.fixture(scope="module")
-def portable_decodes(stories_int8c, tiny_int8c, reference_greedy):
+def portable_decodes(stories_lade, tiny_lade, reference_greedy):
     prompts = json.dumps([c["prompt_ids"] for c in reference_greedy["cases"]])
     return {name: _forced("portable", _DECODE_CHECK, art, prompts, 2)
-            for name, art in (("stories", stories_int8c), ("tiny", tiny_int8c))}
+            for name, art in (("stories", stories_lade), ("tiny", tiny_lade))}
 
 
 @pytest.mark.parametrize("path", PATHS["int8"])
 @pytest.mark.parametrize("which", ["stories", "tiny"])
-def test_every_forced_integer_path_decodes_the_same_tokens(library, stories_int8c, tiny_int8c, reference_greedy,
-                                                           portable_decodes, which, path):
+def test_lookahead_equals_greedy_on_every_forced_integer_path(library, stories_lade, tiny_lade, reference_greedy,
+                                                              portable_decodes, which, path):
     _skip_unless_runs(library, path)
-    art = stories_int8c if which == "stories" else tiny_int8c
+    art = stories_lade if which == "stories" else tiny_lade
     prompts = json.dumps([c["prompt_ids"] for c in reference_greedy["cases"]])
     for threads in (1, 2):
         got = portable_decodes[which] if path == "portable" and threads == 2 else \
             _forced(path, _DECODE_CHECK, art, prompts, threads)
         assert got["path"] == path
+        assert got["same"] is True  # every profile's output is this path's greedy output
         assert got["greedy"] == portable_decodes[which]["greedy"]  # every path, any thread count: the same tokens
         assert got["logits"] == portable_decodes[which]["logits"]  # and the same logits, bit for bit
         assert [len(g) for g in got["greedy"]] == [96, 96, 96]
-    if which == "stories":  # 4-bit weights and int8 activations still tell the story's greedy start
+    if which == "stories":  # lookahead really looked ahead: fewer steps than tokens on a trained model
+        assert sum(look for look, _ in got["steps"]) < sum(base for _, base in got["steps"])
         assert got["greedy"][0][:8] == reference_greedy["cases"][0]["greedy_ids"][:8]
 
 
@@ -400,6 +439,10 @@ def test_int8_with_float32_compute_lade_kernels_is_exact_and_looks_ahead(tmp_pat
     assert m["quantization"]["spec"]["compute"] == m["quantization"]["kernels"]["compute"] == "float32"
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False)  # as graphs made before the integer path
     assert not [a for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
+    assert "AttentionRows" not in {n.op_type for n in graph.graph.node}
+    result = CliRunner().invoke(main, ["generate", str(out), "--prompt", "Once", "--max-new-tokens", "4"])
+    assert result.exit_code == 0
+    assert f"[kernels] lade, float32 compute, path: {m['quantization']['kernels']['path_at_build']}\n" in result.stderr
     model = lade_export.load(out)
     greedy = model.generate("Once upon a time", max_new_tokens=64, lookahead=False)
     for profile in ("default-int4", "default", "paper"):

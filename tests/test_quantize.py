@@ -131,13 +131,13 @@ def test_int8_builds_decode_without_lookahead_and_refuse_it(tmp_path, stories_di
 def test_smollm2_int4_engine_computes_with_the_models_own_weights(tmp_path, smollm2_loaded, kernels):
     """SmolLM2's GGUF stores its layers as Q4_1 blocks of 32 (and its tied embedding as Q8_0):
     the int4 graph holds those exact weights — with the lade kernels the 8-bit head too — so
-    it agrees with the float32 graph (teacher-forced on MT-Bench answers) to float32 noise,
-    and lookahead stays exact on it."""
+    with float32 compute it agrees with the float32 graph (teacher-forced on MT-Bench answers)
+    to float32 noise, and lookahead stays exact on it."""
     from lade_export.build import build_artifact
 
     out = tmp_path / "smol4"
     manifest = build_artifact("smollm2-135m-instruct", [resolve_profile("default-int4")], out, loaded=smollm2_loaded,
-                              quantization=QuantSpec.for_precision("int4", kernels=kernels))
+                              quantization=QuantSpec.for_precision("int4", kernels=kernels, compute="float32"))
     quality = manifest["quantization"]["quality"]
     assert quality["top1_agreement"] == 1.0 and quality["max_abs_logit_diff"] < 1e-3
     # float32 head (113 MB) with ONNX Runtime's kernels; 8-bit head with the lade kernels (96 MB in all)

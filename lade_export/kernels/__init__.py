@@ -13,22 +13,29 @@ operators": a shared library exporting ``RegisterCustomOps``, loaded with
 * ``GatherBlockQ(Q, D, M, ids int64[...]) -> float[..., K]`` (attribute ``N``): rows of the
   same table, i.e. a tied token embedding read from the LM head's own tensors.
 
+and, for int8-compute graphs, ``AttentionRows(Q, PK, K, PV, V, masked) -> float`` (attribute
+``scale``): the attention of an ``onnx-ops`` step graph computed per query row over the keys it
+sees, in position order, in one pass over the cache and the step
+(:func:`lade_export.quantize.exact_attention` swaps it in).
+
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 
-* ``float32`` (``compute=0``, an attribute absent in older graphs; the default of
-  ``--kernels lade`` builds): float32 FMAs on the dequantized weights, AVX-512 or portable
-  (the two sum in different orders), each row computed alone: lookahead stays exact.
-* ``int8`` (``compute=1``, ``build --compute int8``): each row's activations are rounded per
-  block of 32 to int8 with a float32 scale of their own (GGML's Q8_0 activation blocks:
-  ``d = max|x|/127``, ``q = round(x/d)``), the weight × activation sums are int32
-  (``VPDPBUSD`` on AVX512-VNNI or AVX-VNNI, ``TDPBSUD`` on AMX tiles, ``VPMADDUBSW`` /
-  ``VPMADDWD`` on AVX2, plain C++ on other CPUs), and the scales are applied in float32 in one
-  fixed order. Integer sums are exact, so **every integer path gives the same bits** — an
-  artifact decodes the same tokens on any CPU — and a row depends on nothing but itself (not
-  the step's row count, not the thread split). Lookahead is still not exact on such a graph,
-  because the rest of it (attention) is not bit for bit the same in a one-token and a
-  many-token step and int8 rounding amplifies that (:mod:`lade_export.quantize`): these
-  artifacts decode greedily.
+* ``int8`` (``compute=1``, the default of ``--kernels lade`` builds): each row's activations
+  are rounded per block of 32 to int8 with a float32 scale of their own (GGML's Q8_0
+  activation blocks: ``d = max|x|/127``, ``q = round(x/d)``), the weight × activation sums
+  are int32 (``VPDPBUSD`` on AVX512-VNNI or AVX-VNNI, ``TDPBSUD`` on AMX tiles,
+  ``VPMADDUBSW``/``VPMADDWD`` on AVX2, plain C++ on other CPUs), and the scales are applied in
+  float32 in one fixed order. Integer sums are exact, so **every integer path gives the same
+  bits** — an artifact decodes the same tokens on any CPU — and a row depends on nothing but
+  itself (not the step's row count, not the thread split). Rounding to int8 would amplify the
+  last-bit differences that ONNX Runtime's attention has between a one-token and a many-token
+  step, so these graphs compute attention with ``AttentionRows`` (FMAs in a fixed order, an
+  exp of the same operations on every path): every row of a step is then the bits it has
+  alone, and lookahead equals greedy.
+* ``float32`` (``compute=0``, an attribute absent in older graphs): float32 FMAs on the
+  dequantized weights, AVX-512 or portable (the two sum in different orders), each row
+  computed alone; ONNX Runtime's own attention (GroupQueryAttention where it applies). Its
+  tokens stay closer to the float32 engine's.
 
 The path is chosen once per process: ``avx512vnni`` → ``amx`` → ``avxvnni`` → ``avx2`` →
 ``portable`` (int8; AMX after AVX512-VNNI because, with a float epilogue per block of 32, its

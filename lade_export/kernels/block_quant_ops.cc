@@ -7,11 +7,14 @@
 //                M float16[N/16, K/32, 16]) -> Y float[..., N]            attribute N
 //   GatherBlockQ(Q, D, M, ids int64[...]) -> float[..., K]                attribute N
 //       rows of the same table: a tied token embedding read from the LM head's tensors.
+//   AttentionRows(Q, PK, K, PV, V, masked) -> float                       attribute scale
+//       attention with every query row computed alone (int8-compute graphs; see below).
 //
 // Weights come in blocks of 32 along K with bits ∈ {4, 8} per weight: w = D·code + M (GGML's
 // Q4_1; Q8_0 as code = q + 128, M = −128·D).
 //
-// Arithmetic: float32. The sequence of operations that makes Y[r, n] depends only on X[r, :]
+// MatMulBlockQ's arithmetic: float32 (compute = 0) or int8 activations (compute = 1, below).
+// The sequence of operations that makes Y[r, n] depends only on X[r, :]
 // and column n — never on how many rows X has, on which other rows are present, or on how the
 // columns are split between threads — so a token is computed bit for bit the same in a
 // one-token step and inside a many-token step, which keeps lookahead decoding exact. (The
@@ -841,6 +844,154 @@ struct GatherKernel {
   }
 };
 
+// Attention whose every query row is computed the same whatever else the step holds (int8-compute
+// graphs; lade_export.quantize swaps it in for the onnx-ops attention subgraph):
+//   AttentionRows(Q float[B, KV, G·S, D], PK float[B, KV, D, P], K float[B, KV, D, S],
+//                 PV float[B, KV, P, D], V float[B, KV, S, D], masked bool[B, 1, 1, S, P+S]) -> [B, KV, G·S, D]
+//   attribute scale. Row r is step row t = r mod S; key j < P is the cache's, j ≥ P this step's.
+// For each row: score_j = (Σ_d q_d·k_jd, FMAs in d order)·scale over the keys it sees, softmax with
+// one sum in key order, out = Σ_j p_j·v_j in key order. A token's keys are its history in position
+// order whether that history sits in the cache or in this step, and masked keys add nothing (not
+// even zeros), so a row's bits do not depend on the step's width or on where the cache ends.
+struct AttnJob {
+  const float *q, *pk, *k, *pv, *v;
+  const bool* masked;
+  int64_t b, kv, rows, d, p, s;
+  float scale;
+  float* out;
+};
+
+// exp(x) for x ≤ 0 by the same operations on every path (so AVX-512 and scalar agree bit for bit):
+// n = round(x·log2 e), r = x − n·ln 2 (two parts), a degree-6 Taylor polynomial in r by FMAs, × 2^n;
+// x is clamped at −87 (2^n stays a normal float; what it gives there is ~1e-38, not 0).
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f, kRound = 12582912.0f;
+constexpr float kExpC[7] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720};
+
+inline float exp_scalar(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::fma(x, kLog2e, kRound) - kRound;
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kExpC[6];
+  for (int i = 5; i >= 0; --i) p = std::fma(p, r, kExpC[i]);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#ifdef LADE_X86
+__attribute__((target("avx512f,fma"))) inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound)),
+                                 _mm512_set1_ps(kRound));
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+template <bool WIDE>
+#ifdef LADE_X86
+__attribute__((target("avx512f,fma")))
+#endif
+void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores) {
+  const int64_t rows = job.rows, d = job.d, p = job.p, s = job.s, total = p + s;
+  const int64_t bi = index / (job.kv * rows), h = (index / rows) % job.kv, r = index % rows, t = r % s;
+  const float* q = job.q + index * d;
+  const bool* masked = job.masked + (bi * s + t) * total;
+  scores.resize(static_cast<size_t>(total));
+  for (int part = 0; part < 2; ++part) {  // the cache's keys, then this step's: columns of [D, n]
+    const int64_t n = part ? s : p, at = part ? p : 0;
+    const float* keys = (part ? job.k : job.pk) + (bi * job.kv + h) * d * n;
+    int64_t j = 0;
+#ifdef LADE_X86
+    if (WIDE) {
+      for (; j < n; j += 16) {
+        const __mmask16 lanes = static_cast<__mmask16>(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; ++e)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_maskz_loadu_ps(lanes, keys + e * n + j), acc);
+        _mm512_mask_storeu_ps(scores.data() + at + j, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(job.scale)));
+      }
+    }
+#endif
+    for (; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t e = 0; e < d; ++e) acc = std::fma(q[e], keys[e * n + j], acc);
+      scores[at + j] = acc * job.scale;
+    }
+  }
+  float top = -INFINITY;
+  for (int64_t j = 0; j < total; ++j)
+    if (!masked[j]) top = std::max(top, scores[j]);
+  int64_t j = 0;  // exp(score − top) for every key (the masked ones are not read again)
+#ifdef LADE_X86
+  if (WIDE)
+    for (; j + 16 <= total; j += 16)
+      _mm512_storeu_ps(scores.data() + j, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), _mm512_set1_ps(top))));
+#endif
+  for (; j < total; ++j) scores[j] = exp_scalar(scores[j] - top);
+  float sum = 0.0f;
+  for (j = 0; j < total; ++j)
+    if (!masked[j]) sum += scores[j];
+  float* out = job.out + index * d;
+  for (int64_t e = 0; e < d; ++e) out[e] = 0.0f;
+  for (j = 0; j < total; ++j) {
+    if (masked[j]) continue;
+    const float weight = scores[j] / sum;
+    const float* value = j < p ? job.pv + ((bi * job.kv + h) * p + j) * d : job.v + ((bi * job.kv + h) * s + j - p) * d;
+    int64_t e = 0;
+#ifdef LADE_X86
+    if (WIDE)
+      for (; e + 16 <= d; e += 16)
+        _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(value + e),
+                                                  _mm512_loadu_ps(out + e)));
+#endif
+    for (; e < d; ++e) out[e] = std::fma(weight, value[e], out[e]);
+  }
+}
+
+void run_attention(void* data, size_t task) {
+  const AttnJob& job = *static_cast<const AttnJob*>(data);
+  thread_local std::vector<float> scores;
+  if (dispatch().float_avx512) return attention_row<true>(job, static_cast<int64_t>(task), scores);
+  attention_row<false>(job, static_cast<int64_t>(task), scores);
+}
+
+struct AttentionKernel {
+  float scale;
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      Ort::KernelContext ctx(raw);
+      auto q = ctx.GetInput(0), pk = ctx.GetInput(1), k = ctx.GetInput(2), pv = ctx.GetInput(3), v = ctx.GetInput(4),
+           masked = ctx.GetInput(5);
+      const auto qs = shape_of(q), pks = shape_of(pk), ks = shape_of(k), pvs = shape_of(pv), vs = shape_of(v),
+                 ms = shape_of(masked);
+      if (qs.size() != 4 || pks.size() != 4 || ks.size() != 4 || pvs.size() != 4 || vs.size() != 4 || ms.size() != 5)
+        throw Error("inputs are not Q [B, KV, G·S, D], PK [B, KV, D, P], K [B, KV, D, S], PV [B, KV, P, D], "
+                    "V [B, KV, S, D], masked [B, 1, 1, S, P+S]");
+      const int64_t b = qs[0], kv = qs[1], rows = qs[2], d = qs[3], p = pks[3], s = ks[3];
+      if (pks != std::vector<int64_t>{b, kv, d, p} || ks != std::vector<int64_t>{b, kv, d, s} ||
+          pvs != std::vector<int64_t>{b, kv, p, d} || vs != std::vector<int64_t>{b, kv, s, d} ||
+          ms != std::vector<int64_t>{b, 1, 1, s, p + s} || s == 0 || rows % s)
+        throw Error("Q " + dims(qs) + ", PK " + dims(pks) + ", K " + dims(ks) + ", PV " + dims(pvs) + ", V " +
+                    dims(vs) + " and masked " + dims(ms) + " do not fit together");
+      auto out = ctx.GetOutput(0, qs);
+      AttnJob job{q.GetTensorData<float>(), pk.GetTensorData<float>(), k.GetTensorData<float>(),
+                  pv.GetTensorData<float>(), v.GetTensorData<float>(), masked.GetTensorData<bool>(),
+                  b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>()};
+      if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string("AttentionRows: ") + e.what()).c_str());
+    }
+  }
+};
+
 template <typename TOp, typename TKernel>
 struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
@@ -853,13 +1004,14 @@ struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
     }
   }
   const char* GetName() const { return TOp::kName; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return TOp::kInputs; }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
 struct MatMulOp : Op<MatMulOp, MatMulKernel> {
   static constexpr const char* kName = "MatMulBlockQ";
+  static constexpr size_t kInputs = 4;
   static MatMulKernel* make(const OrtKernelInfo* info) { return new MatMulKernel{attribute_n(info), attribute_compute(info)}; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
@@ -870,11 +1022,23 @@ struct MatMulOp : Op<MatMulOp, MatMulKernel> {
 
 struct GatherOp : Op<GatherOp, GatherKernel> {
   static constexpr const char* kName = "GatherBlockQ";
+  static constexpr size_t kInputs = 4;
   static GatherKernel* make(const OrtKernelInfo* info) { return new GatherKernel{attribute_n(info)}; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
            : i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  }
+};
+
+struct AttentionOp : Op<AttentionOp, AttentionKernel> {
+  static constexpr const char* kName = "AttentionRows";
+  static constexpr size_t kInputs = 6;
+  static AttentionKernel* make(const OrtKernelInfo* info) {
+    return new AttentionKernel{Ort::ConstKernelInfo(info).GetAttribute<float>("scale")};
+  }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
 
@@ -888,9 +1052,11 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api);
   static MatMulOp matmul;
   static GatherOp gather;
+  static AttentionOp attention;
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* s = api->CreateCustomOpDomain("lade_export", &domain)) return s;
-  for (OrtCustomOp* op : {static_cast<OrtCustomOp*>(&matmul), static_cast<OrtCustomOp*>(&gather)})
+  for (OrtCustomOp* op : {static_cast<OrtCustomOp*>(&matmul), static_cast<OrtCustomOp*>(&gather),
+                          static_cast<OrtCustomOp*>(&attention)})
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, op)) return s;
   return api->AddCustomOpDomain(options, domain);
 }
