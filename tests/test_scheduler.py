@@ -344,3 +344,45 @@ def test_random_arrivals_and_cancels_keep_every_request_exact_and_free_the_pool(
     assert scheduler.pool.used == 0 and scheduler.active_requests == 0
     widest = max(len(reference_greedy["cases"][c]["prompt_ids"]) + n for c, *_, n in REQUESTS)
     assert scheduler.pool.cache.capacity <= max(1024, 2 * 5 * widest)
+
+
+@pytest.fixture(scope="module")
+def lade_int8_decoder(tmp_path_factory, stories_dir, stories_loaded):
+    """stories260K int4 with the lade kernels' default integer compute (its own attention
+    operator, AttentionRows, which reads the packed pass's block-diagonal mask)."""
+    from lade_export.artifact import Artifact
+    from lade_export.backends import open_engine
+    from lade_export.build import build_artifact
+    from lade_export.quantize import QuantSpec
+    from lade_export.runtime import Decoder
+
+    out = tmp_path_factory.mktemp("lade-int8") / "art"
+    build_artifact(str(stories_dir), [resolve_profile("default-int4"), resolve_profile("default")], out,
+                   loaded=stories_loaded, quantization=QuantSpec.for_precision("int4", kernels="lade"))
+    art = Artifact(out)
+    assert art.manifest["quantization"]["spec"]["compute"] == "int8"
+    assert art.manifest["quantization"]["graph"]["attention_rows"] == 5  # every layer's attention is the kernels'
+    return Decoder(open_engine(art, "ort"), art.stop_token_ids, art.max_context, art.tokenizer())
+
+
+def test_packed_passes_on_the_integer_lade_kernels_equal_solo_runs(lade_int8_decoder, reference_greedy):
+    specs = [(0, None, None, (), 64), (1, "default-int4", None, (), 80), (2, "default", None, (" the",), 72),
+             (0, "small", None, (), 48), (1, None, SamplingParams(0.8, 0, 0.9, 3), (), 40),
+             (2, "default-int4", None, ("Lily",), 96)]
+    solo = [_solo(lade_int8_decoder, reference_greedy, spec) for spec in specs]
+    scheduler = Scheduler(lade_int8_decoder)
+    results = [None] * len(specs)
+
+    def run(i):
+        results[i] = collect(_submit(scheduler, reference_greedy, specs[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    scheduler.close()
+    for i, (got, want) in enumerate(zip(results, solo)):
+        assert _same(got, want), specs[i]
+    assert max(n for n, _ in scheduler.pass_shapes) >= 3  # they did share passes
+    assert scheduler.pool.used == 0
