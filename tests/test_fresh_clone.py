@@ -150,5 +150,5 @@ def test_an_onnxruntime_older_than_the_lade_kernels_need_is_refused_in_one_line(
     with pytest.raises(BackendUnavailableError) as info:
         OrtEngine(artifact.onnx_path, artifact.dims, custom_ops=library)
     assert str(info.value) == (f"{artifact.onnx_path.parent} computes with lade kernels, which need onnxruntime>=1.29 "
-                               "(installed: 1.20.1)")
-    assert "which need\nonnxruntime>=1.29 (installed: 1.20.1)" in (ROOT / "docs" / "embedding.md").read_text()
+                               "(installed: 1.20.1); pip install -U 'onnxruntime>=1.29'")
+    assert "which need\nonnxruntime>=1.29 (installed: 1.20.1); pip install -U 'onnxruntime>=1.29'`" in (ROOT / "docs" / "embedding.md").read_text()

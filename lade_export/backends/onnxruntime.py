@@ -62,7 +62,7 @@ class OrtEngine:
             version = tuple(int(v) for v in ort.__version__.split(".")[:2] if v.isdigit())
             if version < (1, 29):
                 raise BackendUnavailableError(f"{path.parent} computes with lade kernels, which need onnxruntime>=1.29 "
-                                              f"(installed: {ort.__version__})")
+                                              f"(installed: {ort.__version__}); pip install -U 'onnxruntime>=1.29'")
             from ..kernels import running_path
 
             chosen = running_path(custom_ops, "int8")  # a $LADE_KERNELS_PATH it cannot honour: one line, here
