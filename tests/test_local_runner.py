@@ -112,3 +112,36 @@ def test_triton_says_how_to_serve_where_no_tritonserver_is_on_path(tmp_path, sto
     (bin_dir / "tritonserver").chmod(0o755)
     again = CliRunner().invoke(main, ["triton", str(stories_artifact), "--out", str(repo), "--force"])
     assert again.stdout.splitlines()[1:] == [f"serve with: tritonserver --model-repository {repo}"]
+
+
+def test_the_runner_takes_sigint_even_when_started_with_it_ignored(tmp_path, monkeypatch):
+    """A script's background job (``python -m lade_export.serving.local REPO &``) starts
+    with SIGINT ignored; the runner installs its handler itself, so ``kill -INT`` stops it."""
+    from lade_export.errors import ServingError
+    from lade_export.serving import local
+
+    seen = []
+
+    class Server:
+        remove_workdir = False
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            seen.append(signal.getsignal(signal.SIGINT))
+            raise ServingError("stop here")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(local, "find_triton", lambda: None)
+    monkeypatch.setattr(local, "LocalTritonServer", Server)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert local.main([str(tmp_path / "repo"), str(tmp_path / "run")]) == 2
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert seen == [signal.default_int_handler]

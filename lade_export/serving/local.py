@@ -410,6 +410,8 @@ def main(argv=None) -> int:
     server = LocalTritonServer(args[0], workdir, remove_workdir=len(args) == 1)
     for signum in (signal.SIGTERM, signal.SIGHUP):  # stop the server as Ctrl-C does, not by dying
         signal.signal(signum, lambda number, frame: sys.exit(128 + number))
+    # Ctrl-C (and kill -INT) stops it even when it was started with SIGINT ignored (a script's background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.start()
         where = "" if server.remove_workdir else f"; log {server.log_path}"
