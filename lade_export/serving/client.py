@@ -11,7 +11,10 @@ timing measured alone. Needs ``tritonclient[grpc]`` (the ``serve`` extra)::
     async def main():
         client = InferenceServerClient("127.0.0.1:8001")
         out = await stream_generate(client, "smollm2-135m-instruct", prompt="Hi!", max_new_tokens=64)
-        print(out.text, out.stop_reason, out.stats["compression_ratio"])
+        if out.error is not None:  # an error response: its message, and no stats
+            print("error:", out.error)
+        else:
+            print(out.text, out.stop_reason, out.stats["compression_ratio"])
         await client.close()
 
     asyncio.run(main())
