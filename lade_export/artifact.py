@@ -196,6 +196,9 @@ class Artifact:
 
     def __init__(self, root: str | Path, verify: str | bool = "quick"):
         self.root = Path(root)
+        if self.root.is_file():
+            raise ArtifactError(f"{self.root} is a file, not an artifact folder; give the folder that holds "
+                                f"{MANIFEST} ({self.root.parent})")
         if not self.root.is_dir():
             raise ArtifactError(f"artifact directory not found: {self.root}")
         path = self.root / MANIFEST

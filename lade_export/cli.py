@@ -1,7 +1,8 @@
 """The ``lade-export`` command line.
 
 Every user error ends in one line on stderr (``error: …``) and a non-zero exit status:
-2 for bad input, 1 for a failed check (parity, exactness), 130 when interrupted.
+2 for bad input, 1 for a failed check (parity, exactness), 130 when interrupted; 141, without a
+message, when ``generate``'s reader closes stdout (as SIGPIPE would).
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
         import codecs
 
         try:
-            data = Path(prompt_file).read_bytes()
+            data = sys.stdin.buffer.read() if str(prompt_file) == "-" else Path(prompt_file).read_bytes()
         except FileNotFoundError:
             raise GenerationError(f"prompt file not found: {prompt_file}") from None
         except (IsADirectoryError, PermissionError) as err:
@@ -325,7 +326,7 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
-              help="Read the prompt from a UTF-8 file (a leading byte-order mark is ignored).")
+              help="Read the prompt from a UTF-8 file, or from stdin with - (a leading byte-order mark is ignored).")
 @click.option("--prompt-from", default=None, metavar="DATASET:INDEX",
               help="Take the prompt from a workload: mt_bench:0, humaneval:3, gsm8k:10 (read from $LADE_DATASETS; "
                    "docs/datasets.md) or a JSONL file, prompts.jsonl:0.")
@@ -365,6 +366,9 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if greedy and temperature > 0:
         raise GenerationError("--greedy means temperature 0; drop it to sample with --temperature")
     sampling = SamplingParams(temperature, top_k, top_p, seed)
+    for option, value, off in (("--top-k", top_k, 0), ("--top-p", top_p, 1.0), ("--seed", seed, None)):
+        if sampling.greedy and value != off:
+            raise GenerationError(f"{option} needs --temperature > 0 (without it decoding is greedy)")
     if check_greedy and not sampling.greedy:
         raise GenerationError("--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0")
     lookahead = lookahead and not greedy
@@ -376,11 +380,29 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     profile = model.resolve_profile(profile_value, lookahead=lookahead)
     stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead, stop=stops,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    for chunk in stream:
-        sys.stdout.write(chunk.text)
+    last = "\n"
+    try:
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk.text[-1:] or last
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    except BrokenPipeError:  # the reader closed stdout (e.g. | head): stop quietly, as SIGPIPE would
+        stream.close()
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        sys.exit(141)
+    except KeyboardInterrupt:
+        stream.close()
+        if last != "\n":  # the error line on stderr starts on its own line, not after the text
+            try:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+        raise
     result = stream.result
     if profile is not None and not profile.enabled:
         profile = None
@@ -570,7 +592,7 @@ def _report_skipped(skipped, kept, context: int) -> None:
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @click.option("--validate-dataset", default=None,
               help="Also verify the winner on another workload (default: humaneval, or mt_bench when tuning on "
-                   "humaneval; 'none' to skip).")
+                   "humaneval, read from $LADE_DATASETS; 'none' to skip).")
 @click.option("--validate-limit", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, out, backend, threads,
@@ -598,11 +620,18 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
     _report_skipped(skipped, kept, decoder.max_context)
     prompts = [ids for _, ids in kept]
     half = (len(prompts) + 1) // 2
+    by_default = validate_dataset is None
     validate_dataset = validate_dataset or next(d for d in ("humaneval", "mt_bench") if d != dataset)
     validation = []
     if validate_dataset != "none":
-        vkept, vskipped = fit_prompts(decoder, tokenizer, load_prompts(validate_dataset, limit=validate_limit,
-                                                                       chat=chat), chat)
+        try:
+            vprompts = load_prompts(validate_dataset, limit=validate_limit, chat=chat)
+        except GenerationError as err:
+            if not by_default:
+                raise
+            raise GenerationError(f"{err}; tune verifies the winner on {validate_dataset} by default: "
+                                  "--validate-dataset none skips it (or name another dataset)") from None
+        vkept, vskipped = fit_prompts(decoder, tokenizer, vprompts, chat)
         _report_skipped(vskipped, vkept, decoder.max_context)
         validation = [ids for _, ids in vkept]
     with Progress(console=Console(stderr=True), transient=True) as progress:

@@ -284,7 +284,13 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
         values = [int(p) for p in parts]
         w, n, g, k, b = values + [0, 1][len(values) - 3:]
         name = f"w{w}n{n}g{g}" + (f"k{k}" if len(parts) >= 4 else "") + (f"b{b}" if len(parts) == 5 else "")
-        return LookaheadProfile(w, n, g, name=name, lookup=k, lookup_branches=b)
+        try:
+            return LookaheadProfile(w, n, g, name=name, lookup=k, lookup_branches=b)
+        except ProfileError as err:  # name what the user typed, not the generated name
+            internal = f"profile {name!r}:"
+            if not str(err).startswith(internal):
+                raise
+            raise ProfileError(f"profile {text!r}:{str(err)[len(internal):]}") from None
     if "," in text and not text.endswith(".toml"):
         raise ProfileError(f"inline profile {text!r} must be 3 to 5 comma-separated integers: W,N,G[,K[,B]]")
     raise ProfileError(f"profile file not found: {text} (give a TOML path, a shipped name ({', '.join(bundled_profile_names())}), "

@@ -129,3 +129,49 @@ def test_prompt_file_not_utf8_names_the_byte_after_a_byte_order_mark(tmp_path, s
     result = CliRunner().invoke(main, ["generate", str(stories_artifact), "--prompt-file", str(bad)])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: prompt file {bad} is not UTF-8 text (byte 6)"
+
+
+def test_prompt_file_dash_reads_the_prompt_from_stdin(stories_artifact):
+    from click.testing import CliRunner
+
+    from lade_export.cli import main
+
+    args = ["generate", str(stories_artifact), "--max-new-tokens", "8", "--greedy"]
+    piped = CliRunner().invoke(main, [*args, "--prompt-file", "-"], input="Once upon a time", catch_exceptions=False)
+    given = CliRunner().invoke(main, [*args, "--prompt", "Once upon a time"], catch_exceptions=False)
+    assert piped.exit_code == given.exit_code == 0, piped.stderr
+    assert piped.stdout == given.stdout and len(piped.stdout) > 5
+
+
+def test_an_interrupt_while_streaming_puts_the_error_on_its_own_line(stories_artifact, monkeypatch):
+    from click.testing import CliRunner
+
+    from lade_export import api
+    from lade_export.cli import main
+
+    closed = []
+    real_next, real_close = api.Stream.__next__, api.Stream.close
+
+    def next_then_interrupt(self):
+        if len(self._taken) >= 3:
+            raise KeyboardInterrupt
+        return real_next(self)
+
+    monkeypatch.setattr(api.Stream, "__next__", next_then_interrupt)
+    monkeypatch.setattr(api.Stream, "close", lambda self: (closed.append(True), real_close(self)))
+    result = CliRunner().invoke(main, ["generate", str(stories_artifact), "--prompt", "Once upon a time",
+                                       "--max-new-tokens", "40"], catch_exceptions=False)
+    assert result.exit_code == 130
+    assert result.stderr == "error: interrupted\n"
+    assert len(result.stdout) > 3 and result.stdout.endswith("\n") and not result.stdout.endswith("\n\n")
+    assert closed  # the request was stopped (its cache freed), not left to the garbage collector
+
+
+def test_a_closed_stdout_ends_generate_quietly_with_status_141(stories_artifact):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "generate", str(stories_artifact), "--prompt",
+                             "Once upon a time", "--max-new-tokens", "64"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc.stdout.close()  # the reader is gone before the first token (as `| head` is after its lines)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141  # like a process killed by SIGPIPE (`yes | head`)
+    assert err == ""

@@ -219,12 +219,18 @@ CASES = [
      "lookup_min_match applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
      "lookup_min_match"),
     ("profile-branches-without-lookup", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "1,3,2,0,5"], 2,
-     "lookup_branches applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
+     "profile '1,3,2,0,5': lookup_branches applies to history lookup, which is off (lookup = 0); set lookup (K) ≥ 1 or drop "
      "lookup_branches"),
     ("artifact-manifest-bad-dims", lambda t, s, a: ["generate", _edited_manifest(
         t, a, lambda m: m["model"]["dims"].update(vocab=-1)), "--prompt", "hi"], 2,
      "manifest has model.dims.vocab = -1 (sizes are positive integers, tied_embeddings true or false); rebuild with "
      "lade-export build"),
+    ("profile-inline-as-typed", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "0,1,0"], 2,
+     "profile '0,1,0': ngram (N) must be ≥ 2, got 1"),
+    ("artifact-is-a-file", lambda t, s, a: ["inspect", a / "model.onnx"], 2,
+     "model.onnx is a file, not an artifact folder; give the folder that holds manifest.json ("),
+    ("generate-sampling-option-greedy", lambda t, s, a: ["generate", a, "--prompt", "hi", "--top-k", 40], 2,
+     "--top-k needs --temperature > 0 (without it decoding is greedy)"),
     ("profile-w-negative", lambda t, s, a: ["build", "--model", s, "--out", t / "o", "--profile",
                                              _profile(t, "[lookahead]\nwindow=-1\nngram=4\nguesses=2\n")], 2,
      "window (W) must be ≥ 0, got -1"),
@@ -427,6 +433,45 @@ def test_bad_input_gets_one_line_and_exit_status(case, tmp_path, stories_dir, st
     assert sorted(os.listdir(work)) == before  # nothing half-written (no "o", no temp dirs, no lock)
 
 
+def test_a_file_given_as_the_artifact_is_named_a_file_by_every_command(tmp_path, stories_artifact):
+    graph = stories_artifact / "model.onnx"
+    expected = (f"error: {graph} is a file, not an artifact folder; give the folder that holds manifest.json "
+                f"({stories_artifact})")
+    for args in (["inspect", graph], ["generate", graph, "--prompt", "hi"], ["check", graph],
+                 ["triton", graph, "--out", tmp_path / "repo"]):
+        result = invoke(*args)
+        assert (result.exit_code, result.stderr.strip()) == (2, expected), args
+    assert not (tmp_path / "repo").exists()
+
+
+def test_top_p_and_seed_without_temperature_are_refused_and_sampling_takes_them(stories_artifact):
+    for option, value in (("--top-p", 0.9), ("--seed", 3)):
+        result = invoke("generate", stories_artifact, "--prompt", "hi", option, value)
+        assert (result.exit_code, result.stderr.strip()) == (
+            2, f"error: {option} needs --temperature > 0 (without it decoding is greedy)")
+    sampled = invoke("generate", stories_artifact, "--prompt", "hi", "--max-new-tokens", 4, "--temperature", 0.8,
+                     "--top-p", 0.9, "--seed", 3)
+    assert sampled.exit_code == 0, sampled.stderr
+
+
+def test_tune_names_the_default_validation_set_when_it_is_missing(tmp_path, stories_artifact, monkeypatch):
+    empty = tmp_path / "datasets"
+    empty.mkdir()
+    monkeypatch.setenv("LADE_DATASETS", str(empty))
+    prompts = _jsonl(tmp_path, "".join(json.dumps({"prompt": f"Once upon a time {i}"}) + "\n" for i in range(2)))
+    result = invoke("tune", stories_artifact, "--dataset", prompts, "--limit", 2, "--out", tmp_path / "t.toml")
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert line.startswith(f"error: dataset humaneval not found at {empty}/humaneval/") and "\n" not in line
+    message = ("; tune verifies the winner on humaneval by default: --validate-dataset none skips it (or name another "
+               "dataset)")
+    assert line.endswith(message) and message in DOC
+    named = invoke("tune", stories_artifact, "--dataset", prompts, "--limit", 2, "--out", tmp_path / "t.toml",
+                   "--validate-dataset", "gsm8k")
+    assert named.exit_code == 2 and "tune verifies" not in named.stderr  # a set the user named: its error alone
+    assert not (tmp_path / "t.toml").exists()
+
+
 def test_every_documented_row_has_a_test():
     rows = [line for line in DOC.splitlines() if line.startswith("| `")]
     ids = {c[0] for c in CASES} | {"gguf-bad-special-token", "build-kernels-no-headers", "artifact-kernels-missing",
@@ -437,6 +482,11 @@ def test_every_documented_row_has_a_test():
                                    "generate-profile-wider-than-step-room", "api-token-id-outside-vocab",
                                    "generate-tiny-temperature", "sampling-non-finite-logits", "api-timeout-not-positive",
                                    "api-numpy-numbers", "chat-control-strings", "dataset-not-found", "cpp-host-no-pybind11",
+                                   "artifact-lade-kernels-old-onnxruntime",  # tests/test_fresh_clone.py
+                                   # tests/test_cli.py
+                                   "generate-prompt-file-stdin", "generate-interrupted", "generate-stdout-closed",
+                                   # this file's own tests
+                                   "tune-validate-dataset-missing",
                                    # tests/test_kernels.py
                                    "build-kernels-headers-checksum", "build-compute-onnxruntime",
                                    "build-compute-int8-gqa", "kernels-path-forced",
