@@ -51,21 +51,27 @@ def _same(a, b):
     return (a.token_ids, a.text, a.stop_reason, a.stats.steps) == (b.token_ids, b.text, b.stop_reason, b.stats.steps)
 
 
-@pytest.mark.parametrize("budget,chunk", [(64, 512), (12, 5)], ids=["defaults", "tight-budget-chunked-prefill"])
-def test_eight_concurrent_requests_each_equal_their_solo_run(stories_decoder, reference_greedy, solo, budget, chunk):
-    scheduler = Scheduler(stories_decoder, token_budget=budget, prefill_chunk=chunk)
-    results = [None] * len(REQUESTS)
+def _run_concurrently(scheduler, reference_greedy, specs) -> list:
+    """Each spec's request streamed from a thread of its own through ``scheduler``, which is
+    closed afterwards; the results in the order of ``specs``."""
+    results = [None] * len(specs)
 
     def run(i):
-        results[i] = collect(_submit(scheduler, reference_greedy, REQUESTS[i]))
+        results[i] = collect(_submit(scheduler, reference_greedy, specs[i]))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     scheduler.close()
-    for i, (got, want) in enumerate(zip(results, solo)):
+    return results
+
+
+@pytest.mark.parametrize("budget,chunk", [(64, 512), (12, 5)], ids=["defaults", "tight-budget-chunked-prefill"])
+def test_eight_concurrent_requests_each_equal_their_solo_run(stories_decoder, reference_greedy, solo, budget, chunk):
+    scheduler = Scheduler(stories_decoder, token_budget=budget, prefill_chunk=chunk)
+    for i, (got, want) in enumerate(zip(_run_concurrently(scheduler, reference_greedy, REQUESTS), solo)):
         assert _same(got, want), REQUESTS[i]
     assert max(n for n, _ in scheduler.pass_shapes) >= 4  # they did share passes
     if budget == 12:  # a pass over the budget is one request's step (a lookahead step wider than 12)
@@ -371,18 +377,7 @@ def test_packed_passes_on_the_integer_lade_kernels_equal_solo_runs(lade_int8_dec
              (2, "default-int4", None, ("Lily",), 96)]
     solo = [_solo(lade_int8_decoder, reference_greedy, spec) for spec in specs]
     scheduler = Scheduler(lade_int8_decoder)
-    results = [None] * len(specs)
-
-    def run(i):
-        results[i] = collect(_submit(scheduler, reference_greedy, specs[i]))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    scheduler.close()
-    for i, (got, want) in enumerate(zip(results, solo)):
+    for i, (got, want) in enumerate(zip(_run_concurrently(scheduler, reference_greedy, specs), solo)):
         assert _same(got, want), specs[i]
     assert max(n for n, _ in scheduler.pass_shapes) >= 3  # they did share passes
     assert scheduler.pool.used == 0
