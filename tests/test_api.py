@@ -29,10 +29,11 @@ def _oracle(reference_greedy, i=0):
     return reference_greedy["cases"][i]
 
 
-def test_generate_through_the_api_imports_neither_torch_nor_transformers(stories_artifact, reference_greedy):
+@pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "scheduler"])
+def test_generate_through_the_api_imports_neither_torch_nor_transformers(stories_artifact, reference_greedy, batching):
     code = (
         "import sys, lade_export\n"
-        f"m = lade_export.load({str(stories_artifact)!r})\n"
+        f"m = lade_export.load({str(stories_artifact)!r}, batching={batching})\n"
         "r = m.generate('Once upon a time', max_new_tokens=30, profile='default')\n"
         "print(r.token_ids)\n"
         "print('torch' in sys.modules, 'transformers' in sys.modules)\n"

@@ -279,24 +279,6 @@ def test_a_batched_stream_cancels_and_closes_like_an_unbatched_one(models, refer
     assert batched.scheduler.active_requests == 0 and batched.scheduler.pool.used == 0
 
 
-def test_batching_through_the_api_imports_neither_torch_nor_transformers(stories_artifact, reference_greedy):
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, lade_export\n"
-        f"m = lade_export.load({str(stories_artifact)!r}, batching=True)\n"
-        "print(m.generate('Once upon a time', max_new_tokens=30, profile='default').token_ids)\n"
-        "m.close()\n"
-        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    ids, modules = proc.stdout.strip().splitlines()
-    assert eval(ids) == reference_greedy["cases"][0]["greedy_ids"][:30]
-    assert modules == "False False"
-
-
 def test_batching_with_tensorrt_is_refused_in_one_line(stories_artifact):
     import lade_export
 
