@@ -22,7 +22,8 @@ from .profile import bundled_profile_names, bundled_profiles_dir, resolve_profil
 #: Modules of the optional extras (pyproject.toml) -> the extra that installs them.
 _EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export", "gguf": "export",
            "accelerate": "export", "onnx": "export", "onnxscript": "export", "onnxslim": "export",
-           "polygraphy": "export", "matplotlib": "bench", "tritonclient": "serve"}
+           "polygraphy": "export", "matplotlib": "bench", "tritonclient": "serve", "starlette": "http",
+           "uvicorn": "http", "prometheus_client": "http"}
 
 
 class _Group(click.Group):
@@ -831,6 +832,75 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
     click.echo(f"wrote {out} (model {out.name!r})")
     for line in serve_hints(out.parent):
         click.echo(line)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (localhost only unless told otherwise; 0.0.0.0 for every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port (0: a free one, printed at start).")
+@click.option("--profile", "profile_values", multiple=True,
+              help="Lookahead profile requests may pick (repeatable; the first is the default; default: the "
+                   "artifact's).")
+@click.option("--model-name", default=None, help="The model id clients send (default: the artifact folder's name).")
+@click.option("--api-key-env", default=None, metavar="VAR",
+              help="Environment variable holding the API key clients must send (Authorization: Bearer KEY).")
+@click.option("--max-concurrent", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests decoded at once, sharing the scheduler's passes.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests waiting for a slot; one more is answered 429.")
+@click.option("--max-new-tokens-limit", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Largest max_tokens a request may ask (also the default, capped by the context left).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True,
+              help="Largest request body (413 beyond).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM, seconds the requests in flight may take to finish before they are cancelled.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
+def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max_concurrent, max_queue,
+          max_new_tokens_limit, max_body_bytes, drain_timeout, threads):
+    """Serve an artifact over the OpenAI HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics) with continuous batching (docs/serving.md)."""
+    import os
+
+    from . import load
+    from .errors import ServingError
+    from .scheduler import Scheduler
+    from .serving.openai_api import OpenAIServer, ServerConfig, bind, run
+
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env, "")
+        if not api_key.strip():
+            raise ServingError(f"--api-key-env {api_key_env}: the environment variable {api_key_env} is not set "
+                               "or empty; set it to the key clients must send")
+    sock = bind(host, port)
+    try:
+        model = load(artifact_dir, batching=True, threads=threads)
+        if model.scheduler.max_batch != max_concurrent:  # every running request gets a place in the passes
+            model.scheduler.close()
+            model.scheduler = Scheduler(model.decoder, max_batch=max_concurrent)
+        profiles = {}
+        for value in profile_values or (None,):
+            prof = model.resolve_profile(value)
+            if prof.name in profiles:
+                raise ProfileError(f"profile {prof.name!r} is given twice; each --profile needs its own name")
+            model.decoder.check_request(1, 1, prof)
+            profiles[prof.name] = prof
+        name = model_name or Path(artifact_dir).resolve().name
+        server = OpenAIServer(model, ServerConfig(name, profiles, api_key, max_concurrent, max_queue,
+                                                  max_new_tokens_limit, max_body_bytes))
+        where = sock.getsockname()
+        click.echo(f"serving {name!r} at http://{host}:{where[1]}/v1 (profiles: {', '.join(profiles)}; "
+                   f"{max_concurrent} at once, {max_queue} waiting{'; API key required' if api_key else ''})",
+                   nl=True)
+        sys.stdout.flush()
+        code = run(server, sock, drain_s=drain_timeout)
+    finally:
+        sock.close()
+    model.close()
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
