@@ -21,6 +21,12 @@ rule from :mod:`lade_export.sampling` — :class:`~lade_export.sampling.GreedyRu
 candidates accepted when equal to it) or :class:`~lade_export.sampling.SamplingRule`
 (temperature, top-k, top-p; candidates accepted by the rule that keeps plain sampling's
 distribution). The Jacobi window always advances on the argmax predictions.
+
+A step may be narrower than its profile (:class:`StepCap`, chosen per step by the
+scheduler's width policy, :mod:`lade_export.width_policy`): fewer window columns (only
+those advance; the others keep their tokens), fewer pool candidates, shorter history
+continuations, down to a one-token step. Verification is unchanged, so a greedy output
+is the same whatever caps its steps had; without a cap a step is its profile's.
 """
 
 from __future__ import annotations
@@ -50,6 +56,29 @@ class Verdict:
     accepted: list[int]
     kept_rows: np.ndarray | None
     stop_reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCap:
+    """Upper bounds of one lookahead step, below its profile's (each is clipped to it).
+
+    Attributes:
+        window: Jacobi window columns fed and advanced (0: no window rows; the window is
+            left as it is).
+        guesses: n-gram pool candidates verified (0: none).
+        lookup: tokens of a history-lookup candidate, K (0: no history lookup).
+
+    ``StepCap(0, 0, 0)`` is a one-token step: the last token alone, its argmax (or draw)
+    the next token.
+    """
+
+    window: int
+    guesses: int
+    lookup: int
+
+
+#: A one-token step.
+ONE_TOKEN = StepCap(0, 0, 0)
 
 
 class StopRules:
@@ -159,25 +188,40 @@ class LookaheadState(GreedyState):
             self.pool.insert_sequence(prompt)
         self.history = HistoryIndex()
 
-    def candidates(self, last_token: int) -> list:
+    def candidates(self, last_token: int, cap: StepCap | None = None) -> list:
         """Verification candidates after ``last_token``: the history-lookup continuations
         (up to ``lookup_branches`` of up to K tokens, when the profile has ``lookup`` > 0),
-        then the pool's (N−1)-grams, most recent first."""
+        then the pool's (N−1)-grams, most recent first. ``cap`` bounds K (``cap.lookup``)
+        and the pool candidates kept (the first ``cap.guesses``)."""
+        lookup = self.profile.lookup if cap is None else min(cap.lookup, self.profile.lookup)
         cands = []
-        if self.profile.lookup and self.sequence and self.sequence[-1] == last_token:
-            cands += self.history.lookup(self.sequence, self.profile.lookup, self.profile.lookup_branches,
+        if lookup and self.sequence and self.sequence[-1] == last_token:
+            cands += self.history.lookup(self.sequence, lookup, self.profile.lookup_branches,
                                          self.profile.lookup_min_match)
-        cands += [list(c) for c in self.pool.candidates(last_token)]
+        pooled = self.pool.candidates(last_token)
+        if cap is not None:
+            pooled = pooled[:max(cap.guesses, 0)]
+        cands += [list(c) for c in pooled]
         return cands
 
-    def prepare(self, last_token: int, past_len: int) -> StepLayout:
+    def prepare(self, last_token: int, past_len: int, cap: StepCap | None = None) -> StepLayout:
         """Layout of the next step: ``last_token`` at position ``past_len``, the window,
-        and the verification trie of :meth:`candidates`."""
-        tokens, parents, _ = build_trie(self.candidates(last_token))
-        offsets, mask, logit_rows = step_template(self.profile.window, self.levels, parents)
-        ids = np.concatenate([[last_token], self.window.reshape(-1), tokens]).astype(np.int64)
-        return StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents, self.profile.window,
-                          self.levels)
+        and the verification trie of :meth:`candidates`.
+
+        Args:
+            last_token: the last accepted token (row 0).
+            past_len: tokens in the KV cache (row 0's position).
+            cap: optional bounds below the profile (:class:`StepCap`): only the first
+                ``min(cap.window, W)`` window columns are fed (and advanced by
+                :meth:`verify`), and the candidates are bounded as in :meth:`candidates`.
+                None: the profile's full step.
+        """
+        window = self.profile.window if cap is None else min(max(cap.window, 0), self.profile.window)
+        tokens, parents, _ = build_trie(self.candidates(last_token, cap))
+        offsets, mask, logit_rows = step_template(window, self.levels, parents)
+        columns = self.window if window == self.profile.window else self.window[:, :window]
+        ids = np.concatenate([[last_token], columns.reshape(-1), tokens]).astype(np.int64)
+        return StepLayout(ids, past_len + offsets, mask, logit_rows, past_len, tokens, parents, window, self.levels)
 
     def verify(self, layout: StepLayout, outputs: dict) -> tuple[list[int], np.ndarray]:
         """Verification of the trie, then the window update.
@@ -211,11 +255,16 @@ class LookaheadState(GreedyState):
         return accepted, np.asarray(kept, dtype=np.int64)
 
     def _advance_window(self, last_level_preds: np.ndarray) -> None:
-        """Pool the W column n-grams (levels 0..N−2 plus the predictions), shift the levels."""
-        grams = np.concatenate([self.window, last_level_preds[None, :]], axis=0)  # [N, W]
-        for j in range(grams.shape[1]):
+        """Pool the column n-grams of the step's w ≤ W window columns (levels 0..N−2 plus
+        the predictions, int64 [w]) and shift those columns' levels; the other columns
+        keep their tokens (a capped step fed only the first w)."""
+        w = last_level_preds.shape[0]
+        if w == 0:
+            return
+        grams = np.concatenate([self.window[:, :w], last_level_preds[None, :]], axis=0)  # [N, w]
+        for j in range(w):
             self.pool.insert(int(grams[0, j]), grams[1:, j])
-        self.window = grams[1:].copy()
+        self.window[:, :w] = grams[1:]
 
     def observe(self, accepted: list[int]) -> None:
         """Append newly accepted tokens to the sequence and add the n-grams that end in

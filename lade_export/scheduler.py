@@ -55,10 +55,18 @@ same scheduler and pool interface, is the next phase.
 
 Limits: on a ``group-query-attention`` graph the pool holds at most ``max_context``
 tokens over all requests (the graph's rotary table bounds the key length of a pass).
-``kv_tokens`` bounds the pool; requests wait for room. Width policy under load: a request's profile is used as given (each request's
-steps are exactly its solo steps, which keeps sampled outputs identical to solo runs);
-the only load rule is the token budget, which defers a step that does not fit to the
-next pass.
+``kv_tokens`` bounds the pool; requests wait for room.
+
+Width policy under load (``width_policy``, :mod:`lade_export.width_policy`): with
+``"adaptive"`` (the default) each pass decides how wide every greedy lookahead request's
+step is — its profile's, half its window, its candidates without the window, or a
+one-token step — from the step-cost curve (fitted online from this scheduler's own
+passes) and the request's recent acceptance, widening only where the expected tokens pay
+for the rows; sampled requests keep their profile's steps (narrowing would change their
+output against their solo run). With ``"profile"`` every request's step is its profile's.
+Either way the token budget defers a step that does not fit to the next pass.
+``width_steps`` and ``width_passes`` count decode steps per width class and passes per
+widest class.
 
 Exactness: every request's output equals its output alone on the same engine (the
 single-request :class:`~lade_export.runtime.Decoder`), token for token: each row's
@@ -84,7 +92,8 @@ from .lookahead import StopRules, new_state
 from .packed import PackedItem, TokenPool, item_outputs, pack
 from .profile import LookaheadProfile
 from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
-from .sampling import SamplingParams
+from .sampling import GreedyRule, SamplingParams
+from .width_policy import WIDTHS, Option, make_policy, width_caps
 
 #: Default rows of a pass that holds decode steps (4 requests' 11-token int4 lookahead steps fit).
 TOKEN_BUDGET = 64
@@ -99,7 +108,8 @@ class _Request:
     """One request's state inside the scheduler (private: only the thread running a pass changes it)."""
 
     __slots__ = ("id", "prompt", "state", "text", "stats", "out", "cancel", "deadline", "closed", "t0", "t1",
-                 "prefilled", "cache_len", "layout", "histogram", "engine_s", "max_step", "need", "error")
+                 "prefilled", "cache_len", "layout", "histogram", "engine_s", "max_step", "need", "error",
+                 "width", "acceptance")
 
     def __init__(self, rid, prompt, state, text, stats, cancel, deadline, max_step, need):
         self.id = rid
@@ -121,6 +131,8 @@ class _Request:
         self.max_step = max_step
         self.need = need  # KV tokens reserved: prompt + max_new_tokens
         self.error = None
+        self.width = "one-token"  # width class of the prepared step
+        self.acceptance = None  # the adaptive width policy's record of this request
 
     @property
     def ready(self) -> bool:
@@ -146,6 +158,15 @@ class Scheduler:
             most ``max_context`` (a pass's keys, pool and step, must fit the graph's rotary
             table of ``max_context + step_room`` rows).
         max_unread: chunks a consumer may leave unread before its request is paused.
+        width_policy: ``"adaptive"`` (default: widths per pass from the step-cost curve
+            and acceptance), ``"profile"`` (every step its profile's), or a policy object
+            such as :class:`lade_export.width_policy.AdaptiveWidth` with a fixed cost curve;
+            see :mod:`lade_export.width_policy`.
+
+    Attributes:
+        width_steps: ``Counter`` width class (:data:`lade_export.width_policy.WIDTHS`) →
+            decode steps run at it.
+        width_passes: ``Counter`` widest class of a pass's decode steps → passes.
 
     :meth:`stream` may be called from any number of threads. There is no thread of its
     own: a reader waiting for its next chunk runs the next pass when no other reader is
@@ -157,11 +178,13 @@ class Scheduler:
     """
 
     def __init__(self, decoder: Decoder, *, token_budget: int = TOKEN_BUDGET, prefill_chunk: int = PREFILL_CHUNK,
-                 max_batch: int = MAX_BATCH, kv_tokens: int | None = None, max_unread: int = MAX_UNREAD):
+                 max_batch: int = MAX_BATCH, kv_tokens: int | None = None, max_unread: int = MAX_UNREAD,
+                 width_policy="profile"):
         for name, value in (("token_budget", token_budget), ("prefill_chunk", prefill_chunk),
                             ("max_batch", max_batch), ("max_unread", max_unread)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GenerationError(f"{name} must be an integer ≥ 1, got {value!r}")
+        self.width_policy = make_policy(width_policy)
         self.decoder = decoder
         self.engine = decoder.engine
         self.token_budget = token_budget
@@ -190,6 +213,8 @@ class Scheduler:
         self.passes = 0
         #: (requests in a pass, rows of the pass) -> passes
         self.pass_shapes: Counter = Counter()
+        self.width_steps: Counter = Counter()
+        self.width_passes: Counter = Counter()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -357,7 +382,8 @@ class Scheduler:
             return []
         start = self.passes % len(active)
         order = active[start:] + active[:start]
-        items, rows = [], 0
+        adaptive = getattr(self.width_policy, "adaptive", False)
+        steps = []  # requests whose decode step is prepared, in row order
         for req in order:
             if req.closed.is_set():
                 self._leave(req)
@@ -373,21 +399,27 @@ class Scheduler:
                     continue
                 if req.t1 is None:
                     req.t1 = time.perf_counter()
-                if req.layout is None:
+                if req.layout is None or adaptive:  # the profile's step (adaptive: narrowed below)
                     req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len)
+                    req.width = "profile" if hasattr(req.state, "profile") else "one-token"
             except Exception as err:  # the request's own objects (its cancel event, its state) failed
                 self._fail(req, err)
                 continue
-            lay = req.layout
-            if items and rows + lay.step > self.token_budget:
-                continue  # the next pass
-            items.append((req, PackedItem(req.id, lay.input_ids, lay.position_ids, lay.step_mask, lay.logit_rows)))
-            rows += lay.step
+            steps.append(req)
             if self.pool.used == 0:
                 # A pass over an empty cache is one request's: ONNX Runtime's GroupQueryAttention
                 # takes such a step as a first prompt, with positions 0 … step−1 whatever
                 # position_ids say, so a second request's rows would get the wrong positions.
                 break
+        if adaptive and steps:
+            steps = self._narrow(steps)
+        items, rows = [], 0
+        for req in steps:
+            lay = req.layout
+            if items and rows + lay.step > self.token_budget:
+                continue  # the next pass
+            items.append((req, PackedItem(req.id, lay.input_ids, lay.position_ids, lay.step_mask, lay.logit_rows)))
+            rows += lay.step
         budget = self.token_budget if items else self.prefill_chunk
         for req in active:  # arrival order
             if req.ready or req.closed.is_set() or rows >= budget:
@@ -402,6 +434,46 @@ class Scheduler:
             rows += n
         return items
 
+    def _narrow(self, steps: list) -> list:
+        """The adaptive width policy's choice for this pass: each greedy lookahead
+        request's prepared profile step is replaced by the class the policy picks
+        (:mod:`lade_export.width_policy`); other requests keep theirs. Returns the
+        requests still stepping (one whose narrowed ``prepare`` raises fails alone)."""
+        policy = self.width_policy
+        menus = []
+        for req in steps:
+            if req.acceptance is None:
+                req.acceptance = policy.tracker()
+            lay, state = req.layout, req.state
+            if not hasattr(state, "profile") or not isinstance(state.rule, GreedyRule):
+                menus.append([Option(req.width, None, lay.step, req.acceptance.expected(req.width))])
+                continue
+            trie = len(lay.trie_tokens)
+            depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if trie else 0
+            menu = []
+            for width, cap in width_caps(state.profile):
+                step = 1 if width == "one-token" else 1 + cap.window * state.levels + trie
+                if menu and step <= menu[-1].rows:
+                    continue  # no wider than a narrower class: the narrower one stands
+                tokens = req.acceptance.expected(width)
+                if cap.window == 0:  # candidates only: at most the deepest candidate's tokens
+                    tokens = min(tokens, 1.0 + depth)
+                menu.append(Option(width, cap, step, tokens))
+            menus.append(menu)
+        picks = policy.choose(menus, self.pool.used, self.token_budget)
+        kept = []
+        for req, menu, k in zip(steps, menus, picks):
+            opt = menu[k]
+            if opt.rows != req.layout.step:
+                try:
+                    req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len, opt.cap)
+                except Exception as err:  # the request's own state failed
+                    self._fail(req, err)
+                    continue
+            req.width = opt.width
+            kept.append(req)
+        return kept
+
     def _pass(self, items: list) -> None:
         """Run one packed pass and hand every request its rows (item by item on an engine error)."""
         step = sum(it.width for _, it in items)
@@ -409,6 +481,7 @@ class Scheduler:
         feeds = pack([it for _, it in items], self.pool.owner)
         feeds.update(self.pool.feeds())
         with_logits = any(req.ready and req.state.needs_logits for req, _ in items)
+        context = self.pool.used
         te = time.perf_counter()
         try:
             outputs = self.engine.run(feeds, with_logits=with_logits)
@@ -422,6 +495,11 @@ class Scheduler:
         engine_s = time.perf_counter() - te
         self.passes += 1
         self.pass_shapes[len(items), step] += 1
+        widths = [req.width for req, _ in items if req.ready]
+        if widths:
+            self.width_passes[max(widths, key=WIDTHS.index)] += 1
+            if len(widths) == len(items):  # decode steps only: a point of the step-cost curve
+                self.width_policy.observe_pass(step, context, engine_s)
         kept, done = [], []
         for req, it in items:
             req.engine_s += engine_s
@@ -443,6 +521,9 @@ class Scheduler:
                 stats.steps += 1
                 stats.new_tokens += len(verdict.accepted)
                 req.histogram[len(verdict.accepted)] += 1
+                self.width_steps[req.width] += 1
+                if req.acceptance is not None:
+                    req.acceptance.observe(req.width, len(verdict.accepted))
                 if stats.steps == 1:
                     stats.first_token_s = time.perf_counter() - req.t0
                 if verdict.stop_reason is not None:

@@ -1,0 +1,385 @@
+"""Lookahead width adapted to load: per pass, how wide each request's step is.
+
+Lookahead decoding (Fu, Bailis, Stoica, Zhang, arXiv 2402.02057) buys fewer steps with
+wider ones. Alone, a request's spare rows are nearly free where the step-cost curve is
+flat; in a packed pass (:mod:`lade_export.scheduler`) every row is paid by every request
+of the pass, so the rows a request spends on guesses must be paid by the tokens they
+accept. :class:`AdaptiveWidth` decides, each pass, the width of every request's step from
+two inputs, and :class:`ProfileWidth` keeps every request at its profile (the behaviour
+before this module).
+
+Width classes (:data:`WIDTHS`, narrowest first) of a request with profile (W, N, G, K),
+each a :class:`~lade_export.lookahead.StepCap` the request's profile bounds:
+
+=============== ====================== ===========================================
+class           cap (window, G, K)     rows
+=============== ====================== ===========================================
+``one-token``   (0, 0, 0)              1
+``candidates``  (0, G, K)              1 + trie nodes
+``half-window`` (⌈W/2⌉, G, K)          1 + ⌈W/2⌉·(N−1) + trie nodes
+``profile``     (W, G, K)              1 + W·(N−1) + trie nodes (≤ the profile's ``max_step``)
+=============== ====================== ===========================================
+
+The three wider classes verify the same trie (the same candidates), so one
+``prepare`` gives every class's rows exactly. A class with no more rows than a narrower
+one is dropped (a request with no candidates this step has ``one-token`` and the window
+classes only). A step never exceeds its profile: the profile is the upper bound.
+
+Exactness. Greedy verification is exact at any width (every accepted token is the argmax
+after exactly the accepted prefix), so a greedy request's output is the same whatever
+widths its steps had, and the policy may narrow greedy requests freely. A capped step
+keeps the lookahead state consistent: only the window columns it fed advance (a step
+without window rows leaves the window as it is), fewer candidates are a smaller trie,
+and the pool still learns every accepted n-gram. A sampled request's output for a seed
+depends on the candidates it is shown (each one verified consumes a uniform draw of its
+generator, :class:`~lade_export.sampling.SamplingRule`), and its window feeds later
+candidates, so any narrowing would change its output against its solo run: sampled
+requests always run their profile's step (they are counted in the pass's cost like any
+other). Requests without lookahead are one-token steps.
+
+Inputs:
+
+* **The step-cost curve** ``cost(rows, context) = a + b·rows + c·rows·context`` seconds
+  for a pass of ``rows`` rows over a pool of ``context`` cached tokens (the packed pass
+  attends every row over the whole pool, so attention grows with rows × pool).
+  :class:`OnlineCostCurve` fits it online from the scheduler's own decode passes (rows,
+  pool tokens, ``engine_s``), not from probe passes at load: probes would lengthen every
+  load, and on a shared machine a few probes measure the neighbours' load of that moment,
+  while the scheduler's passes measure the very engine, threads and contexts it serves
+  with, and keep doing so as load and contexts change. Until the passes have spanned a few
+  widths, a prior shape stands in (``a = 1, b = 0.17, c = 5e-4`` one-token-step units:
+  the lade int8 kernels' curve on SmolLM2 at 256 and 1024 cached tokens in
+  ``bench/results/step-costs.md``), scaled to the measured seconds. The fit is weighted
+  least squares over the last 256 decode passes plus the prior's pseudo-passes, refitted
+  every 16 passes, with passes more than 3 MADs above the fit dropped (a preempted pass
+  on a shared machine) and coefficients kept ≥ 0. :class:`CostCurve` is a fixed curve
+  (deterministic: tests inject one).
+* **Acceptance**: per request and width class, the tokens its steps of that class
+  accepted (exponential moving average, memory ≈ 10 steps, :class:`Acceptance`), shrunk
+  toward a prior for classes the request has seldom run: the mean over every request's
+  recent steps of that class, itself starting from :data:`PRIOR_TOKENS`. A one-token step
+  accepts exactly 1. A window's worth is partly in later steps (its n-grams become
+  candidates); the window classes' averages include that, as they are taken over all
+  their steps.
+
+Decision (:meth:`AdaptiveWidth.choose`), per pass: start every request at its narrowest
+class (greedy requests at a one-token step: batched greedy), then repeatedly widen the
+request whose next class adds the most expected tokens per extra second of the pass,
+while that marginal rate beats the pass's current tokens per second by ``margin`` (5%)
+and the rows fit the token budget. This maximizes the pass's expected tokens per second
+(greedily); the start is batched greedy and every move is expected to beat it, so the
+policy does not lose to batched greedy unless its estimates are wrong. At low load a
+request that accepts a lot keeps its profile's width; as passes fill up the marginal rows
+cost more than they bring and requests fall back to one-token steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+import numpy as np
+
+from .errors import GenerationError
+from .lookahead import ONE_TOKEN, StepCap
+
+#: Width classes, narrowest first.
+WIDTHS = ("one-token", "candidates", "half-window", "profile")
+
+#: Prior tokens per step of each class (before any request has run it).
+PRIOR_TOKENS = {"one-token": 1.0, "candidates": 1.5, "half-window": 1.4, "profile": 1.5}
+
+#: Prior step-cost shape (a, b, c) in one-token-step units (see the module docstring).
+PRIOR_COST = (1.0, 0.17, 5e-4)
+
+
+def width_caps(profile) -> list[tuple[str, StepCap]]:
+    """The width classes of a lookahead profile, narrowest first, as ``(class, cap)``;
+    a class whose cap equals a narrower one's is left out.
+
+    Args:
+        profile: an enabled :class:`~lade_export.profile.LookaheadProfile` (W, N, G, K).
+    """
+    w, g, k = profile.window, profile.guesses, profile.lookup
+    caps = [("one-token", ONE_TOKEN), ("candidates", StepCap(0, g, k)),
+            ("half-window", StepCap(math.ceil(w / 2), g, k)), ("profile", StepCap(w, g, k))]
+    out, seen = [], set()
+    for name, cap in caps:
+        if cap not in seen:
+            seen.add(cap)
+            out.append((name, cap))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One width a request's step may take this pass.
+
+    Attributes:
+        width: its class (:data:`WIDTHS`).
+        cap: the :class:`~lade_export.lookahead.StepCap` (None: the profile's own step).
+        rows: rows of the step.
+        tokens: expected tokens accepted by the step (≥ 1).
+    """
+
+    width: str
+    cap: StepCap | None
+    rows: int
+    tokens: float
+
+
+class CostCurve:
+    """A fixed step-cost curve ``cost(rows, context) = a + b·rows + c·rows·context``.
+
+    Args:
+        a: seconds of a pass whatever its rows (weights read once, launch, host work).
+        b: seconds per row (MatMuls, LM head).
+        c: seconds per row per cached token of the pool (attention over the pool).
+
+    Raises:
+        GenerationError: a coefficient that is negative or not a finite number.
+    """
+
+    def __init__(self, a: float, b: float, c: float = 0.0):
+        for name, v in (("a", a), ("b", b), ("c", c)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise GenerationError(f"cost coefficient {name} must be a finite number ≥ 0, got {v!r}")
+        if a + b <= 0:
+            raise GenerationError("a cost curve needs a > 0 or b > 0")
+        self.a, self.b, self.c = float(a), float(b), float(c)
+
+    def __call__(self, rows: int, context: int = 0) -> float:
+        """Seconds of a pass of ``rows`` rows over ``context`` cached pool tokens."""
+        return self.a + rows * (self.b + self.c * context)
+
+    def observe(self, rows: int, context: int, seconds: float) -> None:
+        """A measured pass (a fixed curve ignores it)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(a={self.a:.3g}, b={self.b:.3g}, c={self.c:.3g})"
+
+
+class OnlineCostCurve(CostCurve):
+    """The step-cost curve fitted online from measured passes (see the module docstring).
+
+    Args:
+        prior: ``(a, b, c)`` shape in any unit (scaled to the measurements).
+        samples: measured passes kept (the most recent).
+        refit_every: passes between fits.
+        prior_weight: total weight of the prior's pseudo-passes, in passes.
+    """
+
+    _GRID = [(r, ctx) for r in (1, 2, 4, 8, 16, 32, 64) for ctx in (0, 512, 2048)]
+
+    def __init__(self, prior=PRIOR_COST, *, samples: int = 256, refit_every: int = 16, prior_weight: float = 8.0):
+        super().__init__(*prior)
+        self.prior = tuple(float(v) for v in prior)
+        self.samples: deque = deque(maxlen=samples)
+        self.refit_every = refit_every
+        self.prior_weight = prior_weight
+        self._since = 0
+
+    def observe(self, rows: int, context: int, seconds: float) -> None:
+        """Add a measured decode pass: ``rows`` rows over ``context`` pool tokens took
+        ``seconds`` (the engine's run only)."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self.samples.append((rows, context, seconds))
+        self._since += 1
+        if self._since >= self.refit_every or len(self.samples) == 2:
+            self._since = 0
+            self.refit()
+
+    def refit(self) -> None:
+        """Refit ``a, b, c`` to the kept passes and the scaled prior."""
+        if not self.samples:
+            return
+        data = np.asarray(self.samples, dtype=np.float64)
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 0] * data[:, 1]])
+        y = data[:, 2]
+        pa, pb, pc = self.prior
+        shape = x @ np.array([pa, pb, pc])
+        scale = float(np.median(y / shape))
+        grid = np.asarray(self._GRID, dtype=np.float64)
+        xp = np.column_stack([np.ones(len(grid)), grid[:, 0], grid[:, 0] * grid[:, 1]])
+        yp = scale * (xp @ np.array([pa, pb, pc]))
+        wp = np.full(len(grid), self.prior_weight / len(grid))
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(2):
+            coef = _nonnegative_lstsq(np.vstack([x[keep], xp]), np.concatenate([y[keep], yp]),
+                                      np.concatenate([np.ones(int(keep.sum())), wp]))
+            resid = y - x @ coef
+            mad = float(np.median(np.abs(resid - np.median(resid)))) * 1.4826
+            keep = resid <= 3 * mad if mad > 0 else np.ones(len(y), dtype=bool)
+        if coef[0] + coef[1] > 0:
+            self.a, self.b, self.c = (float(v) for v in coef)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares with every coefficient ≥ 0 (three unknowns: the best
+    feasible fit over the subsets of free coefficients)."""
+    sw = np.sqrt(w)[:, None]
+    best, best_err = np.zeros(x.shape[1]), math.inf
+    n = x.shape[1]
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(x[:, cols] * sw, y * sw[:, 0], rcond=None)
+        if np.any(sol < 0):
+            continue
+        coef = np.zeros(n)
+        coef[cols] = sol
+        err = float(np.sum(w * (y - x @ coef) ** 2))
+        if err < best_err:
+            best, best_err = coef, err
+    return best
+
+
+class Acceptance:
+    """One request's recent tokens per step, per width class (exponential moving
+    averages shrunk toward the policy's pooled prior).
+
+    Args:
+        policy: the :class:`AdaptiveWidth` whose pooled averages are the prior.
+    """
+
+    __slots__ = ("policy", "sums")
+
+    def __init__(self, policy: "AdaptiveWidth"):
+        self.policy = policy
+        self.sums: dict = {}  # class -> [decayed tokens, decayed steps]
+
+    def expected(self, width: str) -> float:
+        """Expected tokens of a step of class ``width`` (exactly 1 for ``one-token``)."""
+        if width == "one-token":
+            return 1.0
+        prior = self.policy.pooled(width)
+        s, n = self.sums.get(width, (0.0, 0.0))
+        w = self.policy.prior_steps
+        return (s + w * prior) / (n + w)
+
+    def observe(self, width: str, tokens: int) -> None:
+        """A step of class ``width`` accepted ``tokens`` tokens."""
+        d = self.policy.memory
+        s, n = self.sums.get(width, (0.0, 0.0))
+        self.sums[width] = [d * s + tokens, d * n + 1.0]
+        self.policy.observe_pooled(width, tokens)
+
+
+class ProfileWidth:
+    """Every request's step is its profile's (no narrowing; the token budget only defers)."""
+
+    adaptive = False
+
+    def observe_pass(self, rows: int, context: int, seconds: float) -> None:
+        """A measured decode pass (unused)."""
+
+    def __repr__(self) -> str:
+        return "ProfileWidth()"
+
+
+class AdaptiveWidth:
+    """Per-pass widths from the step-cost curve and each request's acceptance (module docstring).
+
+    Args:
+        cost: the step-cost curve (default: a fresh :class:`OnlineCostCurve`); a
+            :class:`CostCurve` makes the decision deterministic.
+        margin: an extra class is taken when its tokens per extra second beat the pass's
+            tokens per second by this fraction (≥ 0).
+        memory: decay of the acceptance averages per step, in (0, 1).
+        prior_steps: weight of the pooled prior in a request's estimate, in steps.
+        prior: tokens per step of each class before any request ran it.
+
+    Raises:
+        GenerationError: an option out of range.
+    """
+
+    adaptive = True
+
+    def __init__(self, cost: CostCurve | None = None, *, margin: float = 0.05, memory: float = 0.9,
+                 prior_steps: float = 3.0, prior: dict | None = None):
+        if not (0 <= margin < 10):
+            raise GenerationError(f"margin must be in [0, 10), got {margin!r}")
+        if not (0 < memory < 1):
+            raise GenerationError(f"memory must be in (0, 1), got {memory!r}")
+        self.cost = cost if cost is not None else OnlineCostCurve()
+        self.margin = margin
+        self.memory = memory
+        self.prior_steps = prior_steps
+        self._pooled = {k: [v, 1.0] for k, v in {**PRIOR_TOKENS, **(prior or {})}.items()}
+
+    def tracker(self) -> Acceptance:
+        """A new request's acceptance record."""
+        return Acceptance(self)
+
+    def pooled(self, width: str) -> float:
+        """Mean tokens per step of class ``width`` over every request's recent steps."""
+        s, n = self._pooled[width]
+        return s / n
+
+    def observe_pooled(self, width: str, tokens: int) -> None:
+        """Fold one step into the pooled average (memory ≈ 50 steps)."""
+        s, n = self._pooled[width]
+        self._pooled[width] = [0.98 * s + tokens, 0.98 * n + 1.0]
+
+    def observe_pass(self, rows: int, context: int, seconds: float) -> None:
+        """A measured decode pass, for the cost curve."""
+        self.cost.observe(rows, context, seconds)
+
+    def choose(self, menus: list, context: int, budget: int) -> list[int]:
+        """The option index of every request for one pass.
+
+        Args:
+            menus: per request, its :class:`Option` list, narrowest first (rows increasing);
+                a request with one option (sampled, greedy) keeps it.
+            context: cached tokens in the pool (every row attends over them).
+            budget: most rows of the pass; widening stays within it (the narrowest
+                options alone may exceed it: the scheduler then defers steps).
+
+        Returns:
+            ``[index into menus[i]]``.
+        """
+        pick = [0] * len(menus)
+        rows = sum(m[0].rows for m in menus)
+        tokens = sum(m[0].tokens for m in menus)
+        cost = self.cost(rows, context)
+        while True:
+            best = None
+            for i, menu in enumerate(menus):
+                cur = menu[pick[i]]
+                for j in range(pick[i] + 1, len(menu)):
+                    opt = menu[j]
+                    extra_rows = opt.rows - cur.rows
+                    gain = opt.tokens - cur.tokens
+                    if extra_rows <= 0 or gain <= 0 or rows + extra_rows > budget:
+                        continue
+                    extra_cost = self.cost(rows + extra_rows, context) - cost
+                    rate = gain / extra_cost if extra_cost > 0 else math.inf
+                    if best is None or rate > best[0]:
+                        best = (rate, i, j, extra_rows, gain, extra_cost)
+            if best is None or best[0] <= (1 + self.margin) * tokens / cost:
+                return pick
+            _, i, j, extra_rows, gain, extra_cost = best
+            pick[i] = j
+            rows += extra_rows
+            tokens += gain
+            cost += extra_cost
+
+    def __repr__(self) -> str:
+        return f"AdaptiveWidth(cost={self.cost!r}, margin={self.margin})"
+
+
+def make_policy(value):
+    """A width policy from an option: ``"adaptive"`` (:class:`AdaptiveWidth` with an
+    online cost curve), ``"profile"`` (:class:`ProfileWidth`), or a policy object.
+
+    Raises:
+        GenerationError: any other value.
+    """
+    if value == "adaptive":
+        return AdaptiveWidth()
+    if value == "profile":
+        return ProfileWidth()
+    if isinstance(value, (AdaptiveWidth, ProfileWidth)) or hasattr(value, "choose"):
+        return value
+    raise GenerationError(f"width_policy must be 'adaptive' or 'profile', got {value!r}")

@@ -1,0 +1,220 @@
+"""The load-adaptive width policy (lade_export/width_policy.py): its decisions on given
+cost curves and acceptance, the online cost fit, and the lookahead state's capped steps
+(a narrower step keeps the state consistent; greedy output does not depend on the widths)."""
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from lade_export.errors import GenerationError
+from lade_export.lookahead import ONE_TOKEN, LookaheadState, StepCap
+from lade_export.profile import LookaheadProfile, resolve_profile
+from lade_export.runtime import collect
+from lade_export.scheduler import Scheduler
+from lade_export.width_policy import (AdaptiveWidth, CostCurve, OnlineCostCurve, Option, ProfileWidth, make_policy,
+                                      width_caps)
+
+
+def _menu(candidates_tokens=1.6, profile_tokens=2.0, candidates_rows=5, profile_rows=12):
+    return [Option("one-token", ONE_TOKEN, 1, 1.0), Option("candidates", StepCap(0, 2, 6), candidates_rows,
+                                                          candidates_tokens),
+            Option("profile", None, profile_rows, profile_tokens)]
+
+
+# -- decisions on a given cost curve ----------------------------------------------------------
+
+def test_a_busy_pass_runs_one_token_steps():
+    # 8 requests; a row costs 0.2 of a pass's fixed cost: 8 greedy steps make 8 tokens for 2.6,
+    # and the best extra (+0.6 tokens for 4 rows, +0.8) is worth 0.75 tokens per unit < 3.08.
+    policy = AdaptiveWidth(CostCurve(1.0, 0.2))
+    assert policy.choose([_menu() for _ in range(8)], context=0, budget=64) == [0] * 8
+
+
+def test_a_request_that_accepts_a_lot_keeps_its_width_at_low_load():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.05))
+    assert policy.choose([_menu(profile_tokens=3.0)], context=0, budget=64) == [2]
+    # the same cost, a request whose guesses rarely land: its one-token step is the better buy
+    assert policy.choose([_menu(candidates_tokens=1.02, profile_tokens=1.04)], context=0, budget=64) == [0]
+    # both in one pass: only the one that accepts widens
+    assert policy.choose([_menu(candidates_tokens=1.02, profile_tokens=1.04), _menu(profile_tokens=3.0)],
+                         context=0, budget=64) == [0, 2]
+
+
+def test_attention_over_the_pool_narrows_steps_as_the_context_grows():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.02, 1e-3))
+    menus = [_menu(profile_tokens=2.2) for _ in range(2)]
+    assert policy.choose(menus, context=0, budget=64) == [2, 2]
+    assert policy.choose(menus, context=4096, budget=64) == [0, 0]
+
+
+def test_widening_stays_within_the_token_budget():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.0))  # rows are free: every request would take its profile
+    picks = policy.choose([_menu(profile_rows=8) for _ in range(3)], context=0, budget=12)
+    rows = sum(_menu(profile_rows=8)[k].rows for k in picks)
+    assert rows <= 12 and picks.count(2) == 1
+    assert policy.choose([_menu(profile_rows=8) for _ in range(3)], context=0, budget=64) == [2, 2, 2]
+
+
+def test_a_request_with_one_option_keeps_it():
+    # sampled requests get a one-option menu (their profile's step); its rows are part of the
+    # pass's cost: beside a 12-row step (2.5 tokens for 3.6) the neighbour's candidates (+0.6
+    # tokens for +0.8) pay, beside a one-token step (2 tokens for 1.4) they do not
+    sampled = [Option("profile", None, 12, 1.5)]
+    policy = AdaptiveWidth(CostCurve(1.0, 0.2))
+    assert policy.choose([sampled, _menu()], context=0, budget=64) == [0, 1]
+    assert policy.choose([[Option("one-token", None, 1, 1.0)], _menu()], context=0, budget=64) == [0, 0]
+
+
+def test_the_profile_bounds_every_class():
+    for name in ("default", "small", "paper", "wide", "default-int4"):
+        prof = resolve_profile(name)
+        caps = width_caps(prof)
+        assert caps[0] == ("one-token", ONE_TOKEN) and caps[-1][1] == StepCap(prof.window, prof.guesses, prof.lookup)
+        for _, cap in caps:
+            assert cap.window <= prof.window and cap.guesses <= prof.guesses and cap.lookup <= prof.lookup
+    assert [w for w, _ in width_caps(resolve_profile("default-int4"))] == ["one-token", "candidates"]
+    assert [w for w, _ in width_caps(resolve_profile("paper"))] == ["one-token", "candidates", "half-window",
+                                                                     "profile"]
+
+
+# -- acceptance and the cost fit ------------------------------------------------------------------
+
+def test_acceptance_starts_at_the_prior_and_follows_the_request():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.1), prior={"profile": 1.5})
+    a = policy.tracker()
+    assert a.expected("one-token") == 1.0 and a.expected("profile") == pytest.approx(1.5)
+    for _ in range(30):
+        a.observe("profile", 4)
+    assert 3.5 < a.expected("profile") < 4.0
+    b = policy.tracker()  # a new request starts from what every request's recent steps gave
+    assert 1.5 < b.expected("profile") < a.expected("profile")
+
+
+def test_the_online_cost_curve_fits_measured_passes_and_ignores_preempted_ones():
+    rng = np.random.default_rng(5)
+    curve = OnlineCostCurve(refit_every=8)
+    a, b, c = 0.010, 0.0012, 2e-6
+    for _ in range(200):
+        rows, ctx = int(rng.integers(1, 40)), int(rng.integers(0, 1500))
+        seconds = (a + rows * (b + c * ctx)) * (1 + 0.02 * rng.standard_normal())
+        if rng.random() < 0.1:
+            seconds *= 4  # a pass that waited out a neighbour's process
+        curve.observe(rows, ctx, seconds)
+    curve.refit()
+    assert curve.a == pytest.approx(a, rel=0.15)
+    assert curve.b == pytest.approx(b, rel=0.15)
+    assert curve.c == pytest.approx(c, rel=0.25)
+    assert min(curve.a, curve.b, curve.c) >= 0
+
+
+def test_options_are_refused_in_one_line():
+    with pytest.raises(GenerationError, match=r"^width_policy must be 'adaptive' or 'profile', got 'wide'$"):
+        make_policy("wide")
+    with pytest.raises(GenerationError, match=r"^cost coefficient b must be a finite number ≥ 0, got -1$"):
+        CostCurve(1.0, -1)
+    with pytest.raises(GenerationError, match=r"^margin must be in \[0, 10\), got -0.5$"):
+        AdaptiveWidth(margin=-0.5)
+    assert isinstance(make_policy("profile"), ProfileWidth) and isinstance(make_policy("adaptive"), AdaptiveWidth)
+
+
+# -- capped steps of the lookahead state ---------------------------------------------------------
+
+def _fake_outputs(layout, token):
+    return {"next_token_ids": np.full((1, len(layout.logit_rows)), token, dtype=np.int64)}
+
+
+def test_a_step_without_window_rows_leaves_the_window_and_a_narrow_one_advances_only_its_columns():
+    prompt = list(range(3, 40))
+    state = LookaheadState(LookaheadProfile(3, 3, 2, lookup=4), 64, prompt)
+    before = state.window.copy()
+    lay = state.prepare(prompt[-1], len(prompt) - 1, StepCap(0, 2, 4))
+    assert lay.window == 0 and lay.step == 1 + len(lay.trie_tokens)
+    state.update(lay, _fake_outputs(lay, 7))
+    assert np.array_equal(state.window, before)
+    lay = state.prepare(7, len(prompt), StepCap(1, 2, 4))
+    state.update(lay, _fake_outputs(lay, 9))
+    assert np.array_equal(state.window[:, 1:], before[:, 1:])  # columns 1 and 2 untouched
+    assert state.window[-1, 0] == 9 and state.window[0, 0] == before[1, 0]  # column 0 shifted up a level
+    one = state.prepare(9, len(prompt) + 1, ONE_TOKEN)
+    assert one.step == 1 and list(one.logit_rows) == [0] and one.trie_tokens == []
+
+
+def test_a_cap_wider_than_the_profile_is_the_profile():
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    state = LookaheadState(LookaheadProfile(2, 3, 2, lookup=3), 16, prompt)
+    full = state.prepare(prompt[-1], 7)
+    big = state.prepare(prompt[-1], 7, StepCap(9, 9, 9))
+    assert np.array_equal(full.input_ids, big.input_ids) and np.array_equal(full.step_mask, big.step_mask)
+    assert full.step <= state.profile.max_step
+    window_only = state.prepare(prompt[-1], 7, StepCap(2, 0, 0))
+    assert window_only.step == 1 + 2 * 2 and window_only.trie_tokens == []
+    pool_only = state.prepare(prompt[-1], 7, StepCap(0, 2, 0))  # the pool's 2-grams after 6, no history
+    assert pool_only.trie_tokens == [t for c in state.pool.candidates(6) for t in c]
+
+
+class RandomWidths(AdaptiveWidth):
+    """Test policy: every request's class drawn at random each pass (any widths, any order)."""
+
+    def __init__(self, seed):
+        super().__init__(CostCurve(1.0, 0.1))
+        self.rng = np.random.default_rng(seed)
+        self.lock = threading.Lock()
+
+    def choose(self, menus, context, budget):
+        with self.lock:
+            return [int(self.rng.integers(len(m))) for m in menus]
+
+
+def test_greedy_output_does_not_depend_on_the_widths_of_its_steps(stories_decoder, reference_greedy):
+    """stories260K: lookahead requests whose every step gets a random width class (one-token,
+    candidates, half window, profile) give the reference greedy tokens."""
+    stops = stories_decoder.stop_token_ids
+    stories_decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
+    try:
+        scheduler = Scheduler(stories_decoder, width_policy=RandomWidths(3))
+        streams = [scheduler.stream(case["prompt_ids"], 128, resolve_profile(p))
+                   for case in reference_greedy["cases"] for p in ("default", "paper")]
+        results = [collect(s) for s in streams]
+        scheduler.close()
+    finally:
+        stories_decoder.stop_token_ids = stops
+    assert [r.token_ids for r in results] == [c["greedy_ids"] for c in reference_greedy["cases"] for _ in range(2)]
+    assert set(scheduler.width_steps) == {"one-token", "candidates", "half-window", "profile"}
+    assert sum(scheduler.width_steps.values()) == sum(r.stats.steps for r in results)
+
+
+@pytest.mark.slow
+def test_smollm2_adaptive_widths_keep_concurrent_requests_equal_to_their_solo_runs(smollm2_decoder):
+    """SmolLM2 fp32: four greedy lookahead requests and a sampled one through the adaptive
+    policy with its online cost curve; greedy outputs equal their solo runs, the sampled
+    one equals its solo run step for step (it keeps its profile)."""
+    from lade_export.sampling import SamplingParams
+
+    from .conftest import mt_bench_prompts
+
+    ids = [smollm2_decoder.tokenizer.encode_prompt(t, chat=True) for t in mt_bench_prompts(4)]
+    reqs = [(ids[0], 40, resolve_profile("default"), None), (ids[1], 40, resolve_profile("small"), None),
+            (ids[2], 40, LookaheadProfile(0, 2, 0, lookup=10, lookup_min_match=2), None),
+            (ids[3], 40, resolve_profile("default"), None),
+            (ids[0], 32, resolve_profile("default"), SamplingParams(0.8, 0, 0.9, 7))]
+    solo = [smollm2_decoder.generate(p, n, prof, sampling=s) for p, n, prof, s in reqs]
+    scheduler = Scheduler(smollm2_decoder, width_policy="adaptive")
+    results = [None] * len(reqs)
+
+    def run(i):
+        p, n, prof, s = reqs[i]
+        results[i] = scheduler.generate(p, n, prof, sampling=s)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    scheduler.close()
+    for got, want in zip(results, solo):
+        assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
+    assert results[-1].stats.steps == solo[-1].stats.steps
+    assert sum(scheduler.width_steps.values()) == sum(r.stats.steps for r in results)
+    assert math.isfinite(scheduler.width_policy.cost(8, 256))
