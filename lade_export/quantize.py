@@ -437,13 +437,25 @@ def _producer_skipping_casts(producers: dict, name: str):
     return node
 
 
+def _transposed_input(producers, name, graph, perm):
+    """The graph input that ``name`` is a ``Transpose(perm)`` of, or None."""
+    node = producers.get(name)
+    if node is None or node.op_type != "Transpose" or node.input[0] not in {i.name for i in graph.input}:
+        return None
+    got = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return node.input[0] if got == perm else None
+
+
 def exact_attention(graph) -> int:
     """Replace every attention of an ``onnx-ops`` step graph (:mod:`lade_export.graph`: scores
     against the cache and against this step, concatenated, scaled, masked by ``Where``, softmax,
     then the two value products added) by one ``AttentionRows`` of the lade kernels, which computes
     each query row over the keys it sees in position order, in one pass over cache and step, so
     that a row's bits do not depend on the step's width (what int8 activations need for exact
-    lookahead; :mod:`lade_export.kernels`). Nodes left without consumers are dropped.
+    lookahead; :mod:`lade_export.kernels`). The cache's keys and values are fed to it as the
+    graph's sequence-major inputs, read in place (``past_layout=1``; the graph's Transposes of
+    the past, a copy of the whole cache per layer, go), so a row costs the key blocks it sees.
+    Nodes left without consumers are dropped.
 
     Returns:
         the number of attentions replaced.
@@ -490,9 +502,16 @@ def exact_attention(graph) -> int:
         starts = [int(numpy_helper.to_array(inits[sl.input[1]]).ravel()[0]) if sl.input[1] in inits else None
                   for sl in slices]
         past_values, step_values = (products if starts[0] == 0 else products[::-1])
-        rows = helper.make_node("AttentionRows", [past_scores.input[0], past_scores.input[1], step_scores.input[1],
-                                                  past_values.input[1], step_values.input[1], where.input[0]],
-                                list(add.output), name=f"{softmax.name}_rows", domain=DOMAIN, scale=float(scale))
+        past_k, past_v = past_scores.input[1], past_values.input[1]
+        in_place = {}
+        cache_k, cache_v = (_transposed_input(producers, name, graph, perm)
+                            for name, perm in ((past_k, [0, 2, 3, 1]), (past_v, [0, 2, 1, 3])))
+        if cache_k is not None and cache_v is not None:  # read the cache in place: no Transpose of the past
+            past_k, past_v, in_place = cache_k, cache_v, {"past_layout": 1}
+        rows = helper.make_node("AttentionRows", [past_scores.input[0], past_k, step_scores.input[1],
+                                                  past_v, step_values.input[1], where.input[0]],
+                                list(add.output), name=f"{softmax.name}_rows", domain=DOMAIN, scale=float(scale),
+                                **in_place)
         for n in (past_scores, step_scores, concat, scale_mul, reshape, where, softmax, view, *slices, *products, add):
             drop.add(n.name)
         insert[add.name] = rows
@@ -584,6 +603,9 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         for k, node in enumerate(extra):
             graph.node.insert(position + k, node)
     attentions = exact_attention(graph) if spec.kernels == "lade" and spec.compute == "int8" else 0
+    if any(a.name == "past_layout" for n in graph.node if n.op_type == "AttentionRows" for a in n.attribute):
+        # the runtime's fact (lade_export.packed.attention_skips): attention costs the 16-key blocks a row sees
+        model.metadata_props.append(onnx.StringStringEntryProto(key="attention_skips_masked", value="16"))
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
     if not any(o.domain == domain for o in model.opset_import):

@@ -323,6 +323,133 @@ def test_attention_rows_matches_float64_and_names_bad_shapes(library):
         sess.run(None, {"q": q, "pk": pk, "k": k, "pv": pv[:, :, 1:], "v": v, "m": masked})
 
 
+def _attention_rows(library, past_layout=None):
+    from onnx import TensorProto, helper
+
+    extra = {} if past_layout is None else {"past_layout": past_layout}
+    node = helper.make_node("AttentionRows", ["q", "pk", "k", "pv", "v", "m"], ["o"], domain="lade_export", scale=0.125,
+                            **extra)
+    names = [("q", TensorProto.FLOAT), ("pk", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("pv", TensorProto.FLOAT),
+             ("v", TensorProto.FLOAT), ("m", TensorProto.BOOL)]
+    return _session(library, [node], {}, [(n, t, None) for n, t in names])
+
+
+def test_attention_rows_bits_do_not_depend_on_masked_columns_or_the_cache_layout(library):
+    """A packed pass's rows: each row's output is the same bits over its own request's
+    columns alone as inside a pool with other requests' columns, unused room (NaN here: a
+    skipped block is never read, a partly seen one's masked keys add nothing) and other rows
+    around it; the in-place sequence-major cache (past_layout=1) gives the transposed
+    layout's bits."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    rng = np.random.default_rng(21)
+    kv, group, d = 2, 3, 64
+    own = [37, 5, 16]  # cached tokens of three requests (not multiples of 16: blocks shared at the edges)
+    widths = [2, 1, 3]  # their step rows
+    transposed, in_place = _attention_rows(library), _attention_rows(library, past_layout=1)
+
+    def run(sess, q, cache_k, cache_v, k, v, masked, layout):
+        if layout == "transposed":
+            cache_k, cache_v = cache_k.transpose(0, 2, 3, 1), cache_v.transpose(0, 2, 1, 3)
+        feeds = {"q": q, "pk": np.ascontiguousarray(cache_k), "k": k, "pv": np.ascontiguousarray(cache_v), "v": v,
+                 "m": masked}
+        return sess.run(None, feeds)[0]
+
+    caches = [(rng.standard_normal((1, n, kv, d)).astype(np.float32),
+               rng.standard_normal((1, n, kv, d)).astype(np.float32)) for n in own]
+    steps = [(rng.standard_normal((1, kv, group * w, d)).astype(np.float32),  # q of the request's rows
+              rng.standard_normal((1, kv, d, w)).astype(np.float32), rng.standard_normal((1, kv, w, d)).astype(np.float32))
+             for w in widths]
+    alone = []
+    for (ck, cv), (q, k, v), n, w in zip(caches, steps, own, widths):
+        masked = np.ones((1, 1, 1, w, n + w), bool)
+        masked[..., :n] = False
+        masked[0, 0, 0, :, n:] = ~np.tril(np.ones((w, w), bool))
+        outs = [run(s, q, ck, cv, k, v, masked, layout) for s, layout in ((transposed, "transposed"), (in_place, "seq"))]
+        assert np.array_equal(outs[0], outs[1]) and np.isfinite(outs[0]).all()
+        alone.append(outs[0])
+    # the pool: room, request 0, room, request 1, other columns, request 2, room (NaN where no request is)
+    starts, total = [3, 61, 90], 120
+    pool_k = np.full((1, total, kv, d), np.nan, np.float32)
+    pool_v = np.full((1, total, kv, d), np.nan, np.float32)
+    for (ck, cv), at, n in zip(caches, starts, own):
+        pool_k[:, at:at + n], pool_v[:, at:at + n] = ck, cv
+    pool_k[:, 70:85] = rng.standard_normal((1, 15, kv, d))  # a request not in this pass
+    s = sum(widths)
+    masked = np.ones((1, 1, 1, s, total + s), bool)
+    q = np.zeros((1, kv, group * s, d), np.float32)
+    k = np.zeros((1, kv, d, s), np.float32)
+    v = np.zeros((1, kv, s, d), np.float32)
+    o = 0
+    for (qi, ki, vi), at, n, w in zip(steps, starts, own, widths):
+        masked[0, 0, 0, o:o + w, at:at + n] = False
+        masked[0, 0, 0, o:o + w, total + o:total + o + w] = ~np.tril(np.ones((w, w), bool))
+        k[..., o:o + w], v[:, :, o:o + w] = ki, vi
+        for g in range(group):  # row r of the op is step row r mod S: query group g of step row t is row g·S + t
+            q[:, :, g * s + o:g * s + o + w] = qi[:, :, g * w:(g + 1) * w]
+        o += w
+    packed = run(in_place, q, pool_k, pool_v, k, v, masked, "seq")
+    o = 0
+    for want, w in zip(alone, widths):
+        got = np.concatenate([packed[:, :, g * s + o:g * s + o + w] for g in range(group)], axis=2)
+        assert np.array_equal(got, want), w
+        o += w
+    with pytest.raises(InvalidArgument, match=r"AttentionRows: Q \[1, 2, 18, 64\], PK \[1, 120, 2, 64\], K "
+                                              r"\[1, 2, 64, 6\], PV \[1, 119, 2, 64\], V .* do not fit together"):
+        run(in_place, q, pool_k, pool_v[:, 1:], k, v, masked, "seq")
+    with pytest.raises(Exception, match="attribute past_layout = 2 is not 0"):
+        run(_attention_rows(library, past_layout=2), q, pool_k, pool_v, k, v, masked, "seq")
+
+
+def test_the_int8_graph_reads_its_cache_in_place_and_batches_in_regions(stories_lade, reference_greedy):
+    """The built int8 graph feeds each AttentionRows the sequence-major cache itself (no
+    Transpose of a past input: a copy of the whole pool per layer), says so in its metadata,
+    and the scheduler on it gives each request a contiguous region of the pool; four
+    concurrent requests (three at a time: the fourth is admitted after a leave, into freed
+    room) each equal their solo run."""
+    import onnx
+
+    from lade_export.packed import attention_skips
+    from lade_export.scheduler import Scheduler
+
+    graph = onnx.load(str(stories_lade / "model.onnx"), load_external_data=False).graph
+    inputs = {i.name for i in graph.input}
+    rows = [n for n in graph.node if n.op_type == "AttentionRows"]
+    assert [next(a.i for a in n.attribute if a.name == "past_layout") for n in rows] == [1] * 5
+    assert [(n.input[1], n.input[3]) for n in rows] == [(f"past_key_values.{i}.key", f"past_key_values.{i}.value")
+                                                        for i in range(5)]
+    assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inputs]
+    model = lade_export.load(stories_lade)
+    decoder = model.decoder
+    assert attention_skips(decoder.engine) == 16
+    cases = reference_greedy["cases"]
+    specs = [(cases[0]["prompt_ids"], 40, resolve_profile("default-int4")), (cases[1]["prompt_ids"], 24, None),
+             (cases[2]["prompt_ids"], 32, resolve_profile("default")), (cases[1]["prompt_ids"], 30,
+                                                                        resolve_profile("default-int4"))]
+    solo = [decoder.generate(ids, n, prof).token_ids for ids, n, prof in specs]
+    scheduler = Scheduler(decoder, max_batch=3)
+    assert scheduler.pool.regions
+    got, seen = [None] * len(specs), []
+
+    def run(i):
+        ids, n, prof = specs[i]
+        chunks = []
+        for chunk in scheduler.stream(ids, n, prof):
+            chunks.append(chunk)
+            seen.append(len(scheduler.pool._region))
+        got[i] = [t for c in chunks for t in c.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == solo
+    assert max(seen) == 3  # three regions at once
+    assert scheduler.pool.used == 0 and scheduler.active_requests == 0
+    scheduler.close()
+
+
 def test_int8_compute_refuses_group_query_attention_and_a_bad_forced_path(stories_lade, stories_dir, tmp_path):
     env = {**os.environ, "LADE_KERNELS_PATH": "sse9"}  # read once per process: a fresh one
     done = subprocess.run([sys.executable, "-m", "lade_export.cli", "generate", str(stories_lade), "--prompt", "Once",

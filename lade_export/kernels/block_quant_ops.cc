@@ -7,7 +7,7 @@
 //                M float16[N/16, K/32, 16]) -> Y float[..., N]            attribute N
 //   GatherBlockQ(Q, D, M, ids int64[...]) -> float[..., K]                attribute N
 //       rows of the same table: a tied token embedding read from the LM head's tensors.
-//   AttentionRows(Q, PK, K, PV, V, masked) -> float                       attribute scale
+//   AttentionRows(Q, PK, K, PV, V, masked) -> float                       attributes scale, past_layout
 //       attention with every query row computed alone (int8-compute graphs; see below).
 //
 // Weights come in blocks of 32 along K with bits ∈ {4, 8} per weight: w = D·code + M (GGML's
@@ -846,20 +846,34 @@ struct GatherKernel {
 
 // Attention whose every query row is computed the same whatever else the step holds (int8-compute
 // graphs; lade_export.quantize swaps it in for the onnx-ops attention subgraph):
-//   AttentionRows(Q float[B, KV, G·S, D], PK float[B, KV, D, P], K float[B, KV, D, S],
-//                 PV float[B, KV, P, D], V float[B, KV, S, D], masked bool[B, 1, 1, S, P+S]) -> [B, KV, G·S, D]
-//   attribute scale. Row r is step row t = r mod S; key j < P is the cache's, j ≥ P this step's.
+//   AttentionRows(Q float[B, KV, G·S, D], PK, K float[B, KV, D, S], PV, V float[B, KV, S, D],
+//                 masked bool[B, 1, 1, S, P+S]) -> [B, KV, G·S, D]
+//   attributes scale, past_layout (absent or 0: PK [B, KV, D, P] and PV [B, KV, P, D], the graph's
+//   Transposes of the cache; 1: PK and PV are the cache itself, sequence-major [B, P, KV, D], read in
+//   place). Row r is step row t = r mod S; key j < P is the cache's, j ≥ P this step's.
 // For each row: score_j = (Σ_d q_d·k_jd, FMAs in d order)·scale over the keys it sees, softmax with
 // one sum in key order, out = Σ_j p_j·v_j in key order. A token's keys are its history in position
 // order whether that history sits in the cache or in this step, and masked keys add nothing (not
 // even zeros), so a row's bits do not depend on the step's width or on where the cache ends.
+// Keys are taken in blocks of 16 columns (of the cache, then of the step); a block whose 16 mask
+// bits are all masked for a row is skipped for that row (no score, no exp). Every key's score and
+// exp are the same operations in a vector lane or alone, so skipping changes no visible score: a
+// row's cost is the blocks it sees, and its bits do not depend on which other columns a packed pass
+// holds (other requests' columns, unused room).
 struct AttnJob {
   const float *q, *pk, *k, *pv, *v;
   const bool* masked;
   int64_t b, kv, rows, d, p, s;
   float scale;
   float* out;
+  bool in_place;  // past_layout 1: PK, PV sequence-major [B, P, KV, D]
+  const uint8_t* seen;  // [B·S, nb_p + nb_s]: 1 where step row t sees some key of the 16-column block
+  int64_t nb_p, nb_s;
+  float* tiles;  // in_place: [B, KV, nb_p, D, 16], the cache's keys of the blocks some row sees
+  const uint8_t* needed;  // in_place: [B, nb_p], blocks some row of batch b sees
 };
+
+constexpr int64_t kKeys = 16;  // key columns per block
 
 // exp(x) for x ≤ 0 by the same operations on every path (so AVX-512 and scalar agree bit for bit):
 // n = round(x·log2 e), r = x − n·ln 2 (two parts), a degree-6 Taylor polynomial in r by FMAs, × 2^n;
@@ -894,64 +908,115 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp_avx512(__m512 x) {
 }
 #endif
 
+// Whether some of the n ≤ 16 mask bytes at m are 0 (a key the row sees).
+inline bool block_seen(const bool* m, int64_t n) {
+  if (n == kKeys) {
+    uint64_t a, b;
+    std::memcpy(&a, m, 8);
+    std::memcpy(&b, m + 8, 8);
+    return (a & b) != 0x0101010101010101ull;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (!m[j]) return true;
+  return false;
+}
+
 template <bool WIDE>
 #ifdef LADE_X86
 __attribute__((target("avx512f,fma")))
 #endif
 void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores) {
-  const int64_t rows = job.rows, d = job.d, p = job.p, s = job.s, total = p + s;
-  const int64_t bi = index / (job.kv * rows), h = (index / rows) % job.kv, r = index % rows, t = r % s;
+  const int64_t rows = job.rows, d = job.d, p = job.p, s = job.s, total = p + s, kv = job.kv;
+  const int64_t bi = index / (kv * rows), h = (index / rows) % kv, r = index % rows, t = r % s;
   const float* q = job.q + index * d;
   const bool* masked = job.masked + (bi * s + t) * total;
+  const uint8_t* seen = job.seen + (bi * s + t) * (job.nb_p + job.nb_s);
   scores.resize(static_cast<size_t>(total));
-  for (int part = 0; part < 2; ++part) {  // the cache's keys, then this step's: columns of [D, n]
-    const int64_t n = part ? s : p, at = part ? p : 0;
-    const float* keys = (part ? job.k : job.pk) + (bi * job.kv + h) * d * n;
-    int64_t j = 0;
+  for (int part = 0; part < 2; ++part) {  // the cache's keys, then this step's
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    // keys of block i, element e, column c: cols[(i·D + e)·stride + c] (tiles: stride 16) or, head-major, keys[e·n + 16i + c]
+    const bool tiled = !part && job.in_place;
+    const float* keys = tiled ? job.tiles + (bi * kv + h) * blocks * d * kKeys
+                              : (part ? job.k : job.pk) + (bi * kv + h) * d * n;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      const int64_t j0 = i * kKeys, width = std::min(kKeys, n - j0);
+      const float* col = tiled ? keys + i * d * kKeys : keys + j0;
+      const int64_t stride = tiled ? kKeys : n;
 #ifdef LADE_X86
-    if (WIDE) {
-      for (; j < n; j += 16) {
-        const __mmask16 lanes = static_cast<__mmask16>(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
+      if (WIDE) {
+        const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
         __m512 acc = _mm512_setzero_ps();
         for (int64_t e = 0; e < d; ++e)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_maskz_loadu_ps(lanes, keys + e * n + j), acc);
-        _mm512_mask_storeu_ps(scores.data() + at + j, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(job.scale)));
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_maskz_loadu_ps(lanes, col + e * stride), acc);
+        acc = _mm512_mul_ps(acc, _mm512_set1_ps(job.scale));
+        _mm512_mask_storeu_ps(scores.data() + at + j0, lanes, acc);
+        continue;
       }
-    }
 #endif
-    for (; j < n; ++j) {
-      float acc = 0.0f;
-      for (int64_t e = 0; e < d; ++e) acc = std::fma(q[e], keys[e * n + j], acc);
-      scores[at + j] = acc * job.scale;
+      for (int64_t c = 0; c < width; ++c) {
+        float acc = 0.0f;
+        for (int64_t e = 0; e < d; ++e) acc = std::fma(q[e], col[e * stride + c], acc);
+        scores[at + j0 + c] = acc * job.scale;
+      }
     }
   }
   float top = -INFINITY;
-  for (int64_t j = 0; j < total; ++j)
-    if (!masked[j]) top = std::max(top, scores[j]);
-  int64_t j = 0;  // exp(score − top) for every key (the masked ones are not read again)
+  for (int part = 0; part < 2; ++part) {
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j)
+        if (!masked[j]) top = std::max(top, scores[j]);
+    }
+  }
+  for (int part = 0; part < 2; ++part) {  // exp(score − top) for every key of a seen block
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      int64_t j = at + i * kKeys;
+      const int64_t end = at + std::min(n, (i + 1) * kKeys);
 #ifdef LADE_X86
-  if (WIDE)
-    for (; j + 16 <= total; j += 16)
-      _mm512_storeu_ps(scores.data() + j, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), _mm512_set1_ps(top))));
+      if (WIDE && end - j == kKeys) {
+        _mm512_storeu_ps(scores.data() + j, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j),
+                                                                     _mm512_set1_ps(top))));
+        continue;
+      }
 #endif
-  for (; j < total; ++j) scores[j] = exp_scalar(scores[j] - top);
+      for (; j < end; ++j) scores[j] = exp_scalar(scores[j] - top);
+    }
+  }
   float sum = 0.0f;
-  for (j = 0; j < total; ++j)
-    if (!masked[j]) sum += scores[j];
+  for (int part = 0; part < 2; ++part) {
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j)
+        if (!masked[j]) sum += scores[j];
+    }
+  }
   float* out = job.out + index * d;
   for (int64_t e = 0; e < d; ++e) out[e] = 0.0f;
-  for (j = 0; j < total; ++j) {
-    if (masked[j]) continue;
-    const float weight = scores[j] / sum;
-    const float* value = j < p ? job.pv + ((bi * job.kv + h) * p + j) * d : job.v + ((bi * job.kv + h) * s + j - p) * d;
-    int64_t e = 0;
+  for (int part = 0; part < 2; ++part) {
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j) {
+        if (masked[j]) continue;
+        const float weight = scores[j] / sum;
+        const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
+                                                   : job.pv + ((bi * kv + h) * p + j) * d)
+                                   : job.v + ((bi * kv + h) * s + j - p) * d;
+        int64_t e = 0;
 #ifdef LADE_X86
-    if (WIDE)
-      for (; e + 16 <= d; e += 16)
-        _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(value + e),
-                                                  _mm512_loadu_ps(out + e)));
+        if (WIDE)
+          for (; e + 16 <= d; e += 16)
+            _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(value + e),
+                                                      _mm512_loadu_ps(out + e)));
 #endif
-    for (; e < d; ++e) out[e] = std::fma(weight, value[e], out[e]);
+        for (; e < d; ++e) out[e] = std::fma(weight, value[e], out[e]);
+      }
+    }
   }
 }
 
@@ -962,8 +1027,26 @@ void run_attention(void* data, size_t task) {
   attention_row<false>(job, static_cast<int64_t>(task), scores);
 }
 
+// In-place cache (past_layout 1): the keys of the blocks some row of batch b sees, laid out as
+// [D, 16] tiles (what the graph's Transpose gave, for those blocks only). Task = (b, kv head).
+void run_tiles(void* data, size_t task) {
+  const AttnJob& job = *static_cast<const AttnJob*>(data);
+  const int64_t bi = static_cast<int64_t>(task) / job.kv, h = static_cast<int64_t>(task) % job.kv, d = job.d;
+  float* tiles = job.tiles + (bi * job.kv + h) * job.nb_p * d * kKeys;
+  for (int64_t i = 0; i < job.nb_p; ++i) {
+    if (!job.needed[bi * job.nb_p + i]) continue;
+    float* tile = tiles + i * d * kKeys;
+    const int64_t j0 = i * kKeys, width = std::min(kKeys, job.p - j0);
+    for (int64_t c = 0; c < kKeys; ++c) {
+      const float* key = job.pk + ((bi * job.p + j0 + c) * job.kv + h) * d;
+      for (int64_t e = 0; e < d; ++e) tile[e * kKeys + c] = c < width ? key[e] : 0.0f;
+    }
+  }
+}
+
 struct AttentionKernel {
   float scale;
+  int64_t past_layout;
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
     try {
       Ort::KernelContext ctx(raw);
@@ -971,19 +1054,42 @@ struct AttentionKernel {
            masked = ctx.GetInput(5);
       const auto qs = shape_of(q), pks = shape_of(pk), ks = shape_of(k), pvs = shape_of(pv), vs = shape_of(v),
                  ms = shape_of(masked);
+      const bool in_place = past_layout == 1;
       if (qs.size() != 4 || pks.size() != 4 || ks.size() != 4 || pvs.size() != 4 || vs.size() != 4 || ms.size() != 5)
-        throw Error("inputs are not Q [B, KV, G·S, D], PK [B, KV, D, P], K [B, KV, D, S], PV [B, KV, P, D], "
-                    "V [B, KV, S, D], masked [B, 1, 1, S, P+S]");
-      const int64_t b = qs[0], kv = qs[1], rows = qs[2], d = qs[3], p = pks[3], s = ks[3];
-      if (pks != std::vector<int64_t>{b, kv, d, p} || ks != std::vector<int64_t>{b, kv, d, s} ||
-          pvs != std::vector<int64_t>{b, kv, p, d} || vs != std::vector<int64_t>{b, kv, s, d} ||
-          ms != std::vector<int64_t>{b, 1, 1, s, p + s} || s == 0 || rows % s)
+        throw Error(in_place ? "inputs are not Q [B, KV, G·S, D], PK [B, P, KV, D], K [B, KV, D, S], PV [B, P, KV, D], "
+                               "V [B, KV, S, D], masked [B, 1, 1, S, P+S]"
+                             : "inputs are not Q [B, KV, G·S, D], PK [B, KV, D, P], K [B, KV, D, S], PV [B, KV, P, D], "
+                               "V [B, KV, S, D], masked [B, 1, 1, S, P+S]");
+      const int64_t b = qs[0], kv = qs[1], rows = qs[2], d = qs[3], p = in_place ? pks[1] : pks[3], s = ks[3];
+      const std::vector<int64_t> want_pk = in_place ? std::vector<int64_t>{b, p, kv, d} : std::vector<int64_t>{b, kv, d, p},
+                                 want_pv = in_place ? std::vector<int64_t>{b, p, kv, d} : std::vector<int64_t>{b, kv, p, d};
+      if (pks != want_pk || ks != std::vector<int64_t>{b, kv, d, s} || pvs != want_pv ||
+          vs != std::vector<int64_t>{b, kv, s, d} || ms != std::vector<int64_t>{b, 1, 1, s, p + s} || s == 0 ||
+          rows % s)
         throw Error("Q " + dims(qs) + ", PK " + dims(pks) + ", K " + dims(ks) + ", PV " + dims(pvs) + ", V " +
                     dims(vs) + " and masked " + dims(ms) + " do not fit together");
       auto out = ctx.GetOutput(0, qs);
+      const int64_t nb_p = (p + kKeys - 1) / kKeys, nb_s = (s + kKeys - 1) / kKeys, total = p + s;
+      const bool* m = masked.GetTensorData<bool>();
+      // per step row: which blocks of 16 columns it sees (shared by every head and query group)
+      thread_local std::vector<uint8_t> seen, needed;
+      thread_local std::vector<float> tiles;
+      seen.assign(static_cast<size_t>(b * s * (nb_p + nb_s)), 0);
+      needed.assign(static_cast<size_t>(b * nb_p), 0);
+      for (int64_t bt = 0; bt < b * s; ++bt) {
+        const bool* row = m + bt * total;
+        uint8_t* flags = seen.data() + bt * (nb_p + nb_s);
+        for (int64_t i = 0; i < nb_p; ++i)
+          if ((flags[i] = block_seen(row + i * kKeys, std::min(kKeys, p - i * kKeys)))) needed[(bt / s) * nb_p + i] = 1;
+        for (int64_t i = 0; i < nb_s; ++i)
+          flags[nb_p + i] = block_seen(row + p + i * kKeys, std::min(kKeys, s - i * kKeys));
+      }
+      if (in_place) tiles.resize(static_cast<size_t>(b * kv * nb_p * d * kKeys));
       AttnJob job{q.GetTensorData<float>(), pk.GetTensorData<float>(), k.GetTensorData<float>(),
-                  pv.GetTensorData<float>(), v.GetTensorData<float>(), masked.GetTensorData<bool>(),
-                  b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>()};
+                  pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
+                  b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>(),
+                  in_place, seen.data(), nb_p, nb_s, in_place ? tiles.data() : nullptr, needed.data()};
+      if (in_place && b * kv * nb_p) ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv), 0, &job);
       if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
       return nullptr;
     } catch (const std::exception& e) {
@@ -991,6 +1097,18 @@ struct AttentionKernel {
     }
   }
 };
+
+int64_t attribute_past_layout(const OrtKernelInfo* info) {  // absent (graphs before it): 0, transposed past
+  int64_t value = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, "past_layout", &value);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return 0;
+  }
+  if (value != 0 && value != 1)
+    throw Error("attribute past_layout = " + std::to_string(value) + " is not 0 (transposed) or 1 (sequence-major, in place)");
+  return value;
+}
 
 template <typename TOp, typename TKernel>
 struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
@@ -1035,7 +1153,7 @@ struct AttentionOp : Op<AttentionOp, AttentionKernel> {
   static constexpr const char* kName = "AttentionRows";
   static constexpr size_t kInputs = 6;
   static AttentionKernel* make(const OrtKernelInfo* info) {
-    return new AttentionKernel{Ort::ConstKernelInfo(info).GetAttribute<float>("scale")};
+    return new AttentionKernel{Ort::ConstKernelInfo(info).GetAttribute<float>("scale"), attribute_past_layout(info)};
   }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
