@@ -40,7 +40,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .kv_cache import KVCache
-from .specs import ModelDims
+from .specs import ModelDims, present_key_name, present_value_name
 
 
 @dataclasses.dataclass
@@ -116,34 +116,81 @@ def item_outputs(outputs: dict, item: PackedItem) -> dict:
     return out
 
 
+def attention_skips(engine) -> int:
+    """Key-block width (16) when ``engine``'s attention costs only the key blocks a row sees
+    (a graph whose ``AttentionRows`` read the cache in place and skip fully masked blocks of
+    16 columns: ONNX model metadata ``attention_skips_masked``, written by
+    :func:`lade_export.quantize.quantize_step_graph`), else 0 (its attention spans every
+    column of the pool: ONNX Runtime's ``GroupQueryAttention``, the standard operators,
+    ``AttentionRows`` of artifacts built before)."""
+    session = getattr(engine, "session", None)
+    try:
+        value = session.get_modelmeta().custom_metadata_map.get("attention_skips_masked", "0")
+        return int(value)
+    except (AttributeError, ValueError):
+        return 0
+
+
 class TokenPool:
     """The KV cache of every request of a scheduler: one buffer set, columns owned per request.
+
+    Two ways to place a request's columns (``regions``):
+
+    * compact (``regions=False``): every pass's kept rows are appended after ``used``, so the
+      requests' columns interleave pass by pass and the pool holds nothing but live tokens;
+      a leave compacts it. For engines whose attention spans every column (the graph's
+      ``past``): a hole would cost as much as a live token.
+    * regions (``regions=True``, ``sequence-major`` only): :meth:`admit` gives a request one
+      contiguous region of ``need`` columns (prompt + max_new_tokens, what it can keep),
+      first fit among the free ranges, else after the last region; its tokens fill the
+      region in order and :meth:`release` frees it without moving anything. The mask over
+      the pool then has one run of True per request, so an attention that skips fully
+      masked key blocks (:func:`attention_skips`) costs each row its own request's blocks
+      only: other requests' regions and the unused tail of regions cost nothing. When no
+      free range fits below ``limit``, the live regions are moved down (one copy of the live
+      columns) and the request goes after them.
 
     Args:
         dims: the model's shape facts.
         layout: the engine's ``kv_layout``.
         step_room: the widest pass in tokens (scratch after the live columns).
-        limit: most live tokens (columns) the pool may hold; buffers grow up to it as
-            requests need them (doubling from ``initial``), never allocated at the limit.
+        limit: most columns the pool may hold (live tokens; with regions, reserved
+            columns); buffers grow up to it as requests need them (doubling from
+            ``initial``), never allocated at the limit.
         initial: first capacity in tokens.
+        regions: place each request in a contiguous region (above).
 
+    ``used`` is the graph's ``past``: the pool columns a pass feeds, ``[0, used)``; column
+    ``c`` belongs to request ``owner[c]`` (−1: free or not yet filled).
     Memory: ``(capacity + step_room) × dims.kv_bytes_per_token`` bytes (:attr:`nbytes`).
 
     Raises:
-        GenerationError: :meth:`commit` beyond ``limit``.
+        ValueError: ``regions`` on a layout other than ``sequence-major``.
+        GenerationError: :meth:`commit` beyond ``limit`` (compact) or beyond the request's
+            region; :meth:`admit` of a region larger than ``limit`` or of an owner already in.
     """
 
-    def __init__(self, dims: ModelDims, layout: str, step_room: int, limit: int, initial: int = 1024):
+    def __init__(self, dims: ModelDims, layout: str, step_room: int, limit: int, initial: int = 1024,
+                 regions: bool = False):
+        if regions and layout != "sequence-major":
+            raise ValueError(f"KV regions need the sequence-major cache layout, not {layout!r}")
         self.dims = dims
         self.layout = layout
         self.step_room = step_room
         self.limit = limit
+        self.regions = regions
         self.owner = np.zeros(0, dtype=np.int64)  # [used]
         self.cache = KVCache(dims, min(initial, limit), layout, step_room=step_room)
+        self._region: dict[int, list[int]] = {}  # owner -> [start, size, filled] (regions)
 
     @property
     def used(self) -> int:
         return len(self.owner)
+
+    @property
+    def live(self) -> int:
+        """Tokens held over all requests (``used`` less free and unfilled columns)."""
+        return int(np.count_nonzero(self.owner >= 0))
 
     @property
     def nbytes(self) -> int:
@@ -151,16 +198,16 @@ class TokenPool:
 
     def tokens(self, owner: int) -> int:
         """Columns ``owner`` holds (its cache length)."""
+        if self.regions:
+            return self._region[owner][2] if owner in self._region else 0
         return int(np.count_nonzero(self.owner == owner))
 
-    def reserve(self, step: int) -> None:
-        """Make room for a pass of ``step`` rows after the live columns (grows the buffers;
-        a copy of the live columns, amortized by doubling). For ``sequence-major`` the step
-        returns it, but what it keeps needs the same room."""
-        need = self.used + step
-        if need <= self.cache.capacity:
-            return
-        capacity = min(max(2 * self.cache.capacity, need), max(self.limit, need))
+    def region(self, owner: int) -> tuple[int, int] | None:
+        """``(first column, columns)`` of ``owner``'s region (regions), or None."""
+        r = self._region.get(owner)
+        return (r[0], r[1]) if r is not None else None
+
+    def _grow(self, capacity: int) -> None:
         grown = KVCache(self.dims, capacity, self.layout, step_room=self.step_room)
         n = self.used
         for old, new in zip((*self.cache.keys, *self.cache.values), (*grown.keys, *grown.values)):
@@ -171,6 +218,65 @@ class TokenPool:
         grown.length = n
         self.cache = grown
 
+    def admit(self, owner: int, need: int) -> None:
+        """Give ``owner`` a region of ``need`` columns (regions; a no-op when compact): first
+        fit among the free ranges below the last region, else after it (compacting the live
+        regions first when that would pass ``limit``); grows the buffers as needed."""
+        if not self.regions:
+            return
+        if owner in self._region:
+            raise GenerationError(f"KV pool: request {owner} already holds a region")
+        if need > self.limit:
+            raise GenerationError(f"KV pool full: a region of {need} tokens exceeds {self.limit}")
+        at, end = None, 0
+        for start, size, _ in sorted(self._region.values()):
+            if at is None and start - end >= need:
+                at = end
+            end = start + size
+        if at is None:
+            if end + need > self.limit:
+                self._compact()
+                end = sum(r[1] for r in self._region.values())
+                if end + need > self.limit:
+                    raise GenerationError(f"KV pool full: {end} reserved + {need} tokens exceed {self.limit}")
+            at = end
+        if at + need > self.cache.capacity:
+            self._grow(min(max(2 * self.cache.capacity, at + need), self.limit))
+        self._region[owner] = [at, need, 0]
+
+    def _compact(self) -> None:
+        """Move the live regions down in order, no gap between them (one copy of their filled columns)."""
+        end = 0
+        for owner, r in sorted(self._region.items(), key=lambda kv: kv[1][0]):
+            start, size, filled = r
+            if start != end and filled:
+                for buffer in (*self.cache.keys, *self.cache.values):
+                    buffer[:, end:end + filled] = buffer[:, start:start + filled]  # end < start: reads before writes
+            r[0] = end
+            end += size
+        self._reshape()
+
+    def _reshape(self) -> None:
+        """``owner`` from the regions: up to the last filled column, −1 where free or unfilled."""
+        used = max((start + filled for start, _, filled in self._region.values()), default=0)
+        owner = np.full(used, -1, dtype=np.int64)
+        for o, (start, _, filled) in self._region.items():
+            owner[start:start + filled] = o
+        self.owner = owner
+        self.cache.length = used
+
+    def reserve(self, step: int) -> None:
+        """Make room for a pass of ``step`` rows after the live columns (grows the buffers;
+        a copy of the live columns, amortized by doubling). For ``sequence-major`` the step
+        returns it, but what it keeps needs the same room. With regions there is nothing to
+        do: what a pass keeps goes into its requests' regions."""
+        if self.regions:
+            return
+        need = self.used + step
+        if need <= self.cache.capacity:
+            return
+        self._grow(min(max(2 * self.cache.capacity, need), max(self.limit, need)))
+
     def feeds(self) -> dict:
         """``past_key_values.*`` of the pool (see :meth:`lade_export.kv_cache.KVCache.feeds`)."""
         self.cache.length = self.used
@@ -178,7 +284,23 @@ class TokenPool:
 
     def commit(self, outputs: dict, kept: list[tuple[int, np.ndarray]], step: int) -> None:
         """Keep, after a pass of ``step`` rows, the rows ``kept`` = ``[(owner, pass rows)]``
-        (rows increasing over the whole list); the owners' new columns follow ``used``."""
+        (rows increasing over the whole list); compact: the owners' new columns follow
+        ``used``; regions: each owner's follow its filled columns in its region."""
+        if self.regions:
+            for o, rows in kept:
+                start, size, filled = self._region[o]
+                if filled + len(rows) > size:
+                    raise GenerationError(f"KV region of request {o} full: {filled} + {len(rows)} tokens exceed "
+                                          f"its {size}")
+            for o, rows in kept:
+                r = self._region[o]
+                at = r[0] + r[2]
+                for i in range(self.dims.num_layers):
+                    self.cache.keys[i][:, at:at + len(rows)] = outputs[present_key_name(i)][:, rows]
+                    self.cache.values[i][:, at:at + len(rows)] = outputs[present_value_name(i)][:, rows]
+                r[2] += len(rows)
+            self._reshape()
+            return
         rows = np.concatenate([r for _, r in kept]).astype(np.int64) if kept else np.zeros(0, np.int64)
         if self.used + len(rows) > self.limit:
             raise GenerationError(f"KV pool full: {self.used} + {len(rows)} tokens exceed {self.limit}")
@@ -187,7 +309,12 @@ class TokenPool:
         self.owner = np.concatenate([self.owner, *[np.full(len(r), o, np.int64) for o, r in kept]])
 
     def release(self, owner: int) -> None:
-        """Free ``owner``'s columns and compact the pool (live columns moved down in order)."""
+        """Free ``owner``'s columns: regions: its region, nothing moves; compact: the pool is
+        compacted (live columns moved down in order)."""
+        if self.regions:
+            if self._region.pop(owner, None) is not None:
+                self._reshape()
+            return
         live = np.flatnonzero(self.owner != owner)
         if len(live) == self.used:
             return

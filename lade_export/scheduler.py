@@ -89,7 +89,7 @@ import numpy as np
 from .detokenize import TextStream
 from .errors import GenerationError
 from .lookahead import StopRules, new_state
-from .packed import PackedItem, TokenPool, item_outputs, pack
+from .packed import PackedItem, TokenPool, attention_skips, item_outputs, pack
 from .profile import LookaheadProfile
 from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
 from .sampling import GreedyRule, SamplingParams
@@ -201,8 +201,10 @@ class Scheduler:
                 raise GenerationError(f"kv_tokens must be an integer ≥ 1, got {kv_tokens!r}")
             limit = min(limit, kv_tokens) if rotary is not None else kv_tokens
         self.kv_tokens = limit
-        self.pool = TokenPool(dims, getattr(self.engine, "kv_layout", "sequence-major"), 0, limit,
-                              initial=min(limit, 1024))
+        layout = getattr(self.engine, "kv_layout", "sequence-major")
+        # one contiguous region per request where attention skips the key blocks a row cannot see
+        regions = layout == "sequence-major" and attention_skips(self.engine) > 0
+        self.pool = TokenPool(dims, layout, 0, limit, initial=min(limit, 1024), regions=regions)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
@@ -335,6 +337,7 @@ class Scheduler:
             while (self._pending and len(self._active) < self.max_batch
                    and self._reserved + self._pending[0].need <= self.kv_tokens):
                 req = self._pending.pop(0)
+                self.pool.admit(req.id, req.need)  # its region (an engine that skips masked key blocks)
                 self._reserved += req.need
                 self._active.append(req)
         items = self._plan()
