@@ -11,6 +11,8 @@
   wheel on this machine (tests, benchmarks, development); production uses the NGC
   container (docs/serving.md).
 * :mod:`.client` — a small asyncio streaming client on ``tritonclient.grpc.aio``.
+* :mod:`.openai_api` — ``lade-export serve``: an OpenAI-compatible HTTP server on the
+  continuous-batching scheduler (the ``http`` extra: Starlette, uvicorn, prometheus-client).
 
 Nothing here imports PyTorch; :mod:`.client` needs ``tritonclient[grpc]`` (the ``serve``
 extra) and :mod:`.local` the ``nvidia-pytriton`` wheel.
