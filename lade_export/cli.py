@@ -812,14 +812,22 @@ def inspect(artifact_dir, as_json):
 @click.option("--default-max-new-tokens", type=click.IntRange(min=1), default=None,
               help="For requests without max_new_tokens (default: min(256, limit)).")
 @click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Requests one instance decodes at once (more wait).")
+              help="Requests one instance decodes at once, sharing its scheduler's passes (more wait).")
+@click.option("--no-batching", is_flag=True,
+              help="Each request runs its own passes instead of the instance's scheduler (always so with tensorrt).")
+@click.option("--token-budget", type=click.IntRange(min=1), default=None,
+              help="Scheduler: rows of a pass that holds decode steps (default 64).")
+@click.option("--kv-tokens", type=click.IntRange(min=1), default=None,
+              help="Scheduler: most tokens an instance's KV pool holds over its requests (default: "
+                   "max-concurrent-requests x the model's context).")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="Engine threads per instance (0: the engine's default).")
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository instead of referencing it.")
 @click.option("--artifact-path", default=None, help="The artifact's path as the server sees it (a mounted volume).")
 @click.option("--force", is_flag=True, help="Replace REPO/NAME if this command wrote it.")
 def triton(artifact_dir, repository, name, instances, profile_values, backend, device, max_new_tokens_limit,
-           default_max_new_tokens, max_concurrent_requests, threads, copy_artifact, artifact_path, force):
+           default_max_new_tokens, max_concurrent_requests, no_batching, token_budget, kv_tokens, threads,
+           copy_artifact, artifact_path, force):
     """Write a Triton Inference Server model (Python backend, streamed responses) for an artifact
     (docs/serving.md)."""
     from .serving.repository import serve_hints, write_model_repository
@@ -828,7 +836,8 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
         artifact_dir, repository, name=name, instances=instances, profiles=profile_values, backend=backend,
         device=device, max_new_tokens_limit=max_new_tokens_limit, default_max_new_tokens=default_max_new_tokens,
         max_concurrent_requests=max_concurrent_requests, threads=threads, copy_artifact=copy_artifact,
-        artifact_path=artifact_path, force=force)
+        artifact_path=artifact_path, force=force, batching=False if no_batching else None,
+        token_budget=token_budget, kv_tokens=kv_tokens)
     click.echo(f"wrote {out} (model {out.name!r})")
     for line in serve_hints(out.parent):
         click.echo(line)

@@ -411,6 +411,9 @@ CASES = [
     ("triton-path-and-copy", lambda t, s, a: ["triton", a, "--out", t / "repo", "--artifact-path", "/p",
                                                "--copy-artifact"], 2,
      "give --artifact-path or --copy-artifact, not both"),
+    ("triton-scheduler-option-without-batching", lambda t, s, a: ["triton", a, "--out", t / "repo", "--no-batching",
+                                                                   "--token-budget", 32], 2,
+     "--token-budget is an option of the scheduler, and this model has none (--no-batching)"),
 ]
 
 

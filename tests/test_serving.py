@@ -136,6 +136,27 @@ def test_settings_round_trip_through_parameters():
         protocol.ServingSettings.from_parameters({**params, "max_new_tokens_limit": "many"})
 
 
+def test_scheduler_settings_round_trip_and_default_by_backend():
+    params = SETTINGS.to_parameters()
+    assert (params["batching"], params["token_budget"], params["kv_tokens"]) == ("true", "64", "0")
+    unbatched = protocol.ServingSettings(artifact_dir="/a", profiles={}, default_profile="greedy", batching=False,
+                                         token_budget=16, kv_tokens=2048)
+    assert protocol.ServingSettings.from_parameters(unbatched.to_parameters()) == unbatched
+    # a config written before the scheduler has no batching parameter: on for ort, off for tensorrt
+    old = {k: v for k, v in params.items() if k not in ("batching", "token_budget", "kv_tokens")}
+    assert protocol.ServingSettings.from_parameters(old).batching is True
+    trt = protocol.ServingSettings.from_parameters({**old, "backend": "tensorrt", "device": "cuda"})
+    assert (trt.batching, trt.token_budget, trt.kv_tokens) == (False, 64, 0)
+    with pytest.raises(ServingError) as info:
+        protocol.ServingSettings.from_parameters({**params, "backend": "tensorrt", "device": "cuda"})
+    assert str(info.value) == ("batching needs the ort backend: TensorRT engines' optimization profiles do not cover "
+                               "packed passes yet (write the model with --no-batching)")
+    with pytest.raises(ServingError, match="^parameter batching must be true or false, got 'yes'$"):
+        protocol.ServingSettings.from_parameters({**params, "batching": "yes"})
+    with pytest.raises(ServingError, match="^token_budget must be an integer ≥ 1, got 0$"):
+        protocol.ServingSettings.from_parameters({**params, "token_budget": "0"})
+
+
 def test_docs_list_every_tensor_with_its_type_and_shape():
     for spec in (*protocol.INPUTS, *protocol.OUTPUTS, *protocol.RESERVED_INPUTS):
         dims = "[" + ", ".join(map(str, spec.dims)) + "]"
@@ -190,6 +211,24 @@ def test_repository_with_a_copied_artifact_is_self_contained(tmp_path, stories_a
         write_model_repository(stories_artifact, repo, name="other", force=True)
 
 
+def test_repository_passes_the_scheduler_options(tmp_path, stories_artifact):
+    def settings(**kwargs):
+        model = write_model_repository(stories_artifact, tmp_path / "repo", name="m", force=True, **kwargs)
+        params = json.loads((model / MARKER).read_text())["parameters"]  # as written into config.pbtxt
+        assert f'parameters {{ key: "batching" value: {{ string_value: "{params["batching"]}" }} }}' in (
+            model / "config.pbtxt").read_text()
+        return protocol.ServingSettings.from_parameters(params)
+
+    got = settings(max_concurrent_requests=4, token_budget=32, kv_tokens=1500)
+    assert (got.batching, got.max_concurrent_requests, got.token_budget, got.kv_tokens) == (True, 4, 32, 1500)
+    got = settings()
+    assert (got.batching, got.token_budget, got.kv_tokens) == (True, 64, 0)
+    assert settings(batching=False).batching is False
+    with pytest.raises(ServingError) as info:
+        write_model_repository(stories_artifact, tmp_path / "repo", name="m", force=True, batching=False, kv_tokens=9)
+    assert str(info.value) == "--kv-tokens is an option of the scheduler, and this model has none (--no-batching)"
+
+
 def test_the_model_template_renders_the_default_config():
     text = render_config("m", SETTINGS, 1)
     assert text.count("optional: true") == len(protocol.INPUTS)
@@ -234,7 +273,8 @@ def stories_server(tmp_path_factory, stories_artifact, triton_env):
     from lade_export.serving.local import LocalTritonServer
 
     tmp = tmp_path_factory.mktemp("stories-triton")
-    write_model_repository(stories_artifact, tmp / "repo", name="stories", instances=2,
+    # one instance with its scheduler: the recommended setup (docs/serving.md, Scaling)
+    write_model_repository(stories_artifact, tmp / "repo", name="stories", instances=1,
                            profiles=["default", "small"], max_new_tokens_limit=480, default_max_new_tokens=32)
     server = LocalTritonServer(tmp / "repo", tmp / "run", env_dir=triton_env)
     try:
@@ -270,12 +310,16 @@ def _in_process(model, request, profile):
                           lookahead=profile != "greedy", **sampling)
 
 
-def test_nine_concurrent_streams_equal_the_in_process_api(stories_server, stories_model):
+def test_nine_concurrent_streams_share_passes_and_equal_their_solo_runs(stories_server, stories_model):
     assert stories_model.encode("Once upon a time, there was a cat") == PROMPTS[5][0]["prompt_token_ids"]
+    [first] = _run(_gather(stories_server.grpc_url, [dict(prompt="Hi", max_new_tokens=1, profile="greedy")]))
+    before = first.stats["scheduler"]  # the instance's counters before the nine
+    assert {k: before[k] for k in ("max_batch", "token_budget", "kv_tokens")} == {
+        "max_batch": 8, "token_budget": 64, "kv_tokens": 8 * 512}
     results = _run(_gather(stories_server.grpc_url, [request for request, _ in PROMPTS]))
     instances = set()
     for (request, profile), got in zip(PROMPTS, results):
-        want = _in_process(stories_model, request, profile)
+        want = _in_process(stories_model, request, profile)  # alone, on its own passes (no scheduler)
         assert got.error is None, got.error
         assert got.text == want.text, request
         assert got.token_ids == want.token_ids, request
@@ -284,7 +328,13 @@ def test_nine_concurrent_streams_equal_the_in_process_api(stories_server, storie
         assert len(got.response_s) == got.stats["steps"]  # one response per decode step
         instances.add(got.stats["instance"])
     assert {r.stop_reason for r in results} >= {"stop_string", "max_new_tokens"}
-    assert instances <= {"stories_0_0", "stories_0_1"}
+    assert instances == {"stories_0_0"}
+    # The scheduler packed them: alone, every decode step is a pass of its own (plus prefill
+    # passes); here the nine took fewer passes than their decode steps.
+    after = max((r.stats["scheduler"] for r in results), key=lambda s: s["passes"])
+    steps = sum(r.stats["steps"] for r in results)
+    assert after["passes"] - before["passes"] < steps, (after, before, steps)
+    assert after["shared_passes"] > before["shared_passes"] and after["most_requests_per_pass"] >= 2
 
 
 def test_a_cancelled_request_stops_early(stories_server, stories_model):
@@ -324,7 +374,7 @@ def test_bad_requests_get_error_responses_and_the_server_keeps_serving(stories_s
     [good] = _run(_gather(stories_server.grpc_url, [dict(prompt="Once upon a time")]))  # default max_new_tokens 32
     assert good.error is None and good.token_ids == stories_model.generate("Once upon a time", max_new_tokens=32).token_ids
     log = stories_server.log_text()
-    assert "is not healthy" not in log and log.count(": loaded ") == 2  # no instance restarted
+    assert "is not healthy" not in log and log.count(": loaded ") == 1  # the instance did not restart
 
 
 def test_request_values_at_their_edges_on_the_server(stories_server, stories_model):
@@ -346,7 +396,7 @@ def test_request_values_at_their_edges_on_the_server(stories_server, stories_mod
 def test_stopping_leaves_nothing_running(stories_server):
     # the last test of the module: stop the shared server and check what it leaves
     stubs = dict(stories_server.stubs)
-    assert len(stubs) == 2  # one stub process per instance
+    assert len(stubs) == 1  # one stub process per instance
     ports = (stories_server.grpc_port, stories_server.http_port)
     stories_server.stop()
     # a graceful stop: every request was released, so the models unloaded before the exit timeout

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import GenerationError, ProfileError, ServingError
 from ..sampling import SamplingParams
 from ..profile import LookaheadProfile
+from ..scheduler import TOKEN_BUDGET
 
 #: The profile name that means plain greedy decoding (no lookahead) on the server.
 GREEDY = "greedy"
@@ -84,7 +85,7 @@ OUTPUTS = (
                "empty until the last response: stop_token, stop_string, max_new_tokens, cancelled or timeout"),
     TensorSpec("stats", "TYPE_STRING", (1,), False,
                "empty until the last response: JSON statistics (prompt_tokens, new_tokens, steps, "
-               "compression_ratio, first_token_s, decode_s, profile, instance …)"),
+               "compression_ratio, first_token_s, decode_s, profile, instance, scheduler …)"),
 )
 
 #: Optional inputs reserved for later features (none now). Adding optional inputs keeps
@@ -107,8 +108,19 @@ class ServingSettings:
             ``profiles``, or ``greedy``).
         max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
         default_max_new_tokens: ``max_new_tokens`` of a request that gives none.
-        max_concurrent_requests: requests one instance decodes at once (more wait).
+        max_concurrent_requests: requests one instance decodes at once (more wait); with
+            ``batching``, the scheduler's ``max_batch`` (requests that share its passes).
         verify: artifact check on load: ``quick``, ``full`` or ``none``.
+        batching: run every request of an instance through one
+            :class:`lade_export.scheduler.Scheduler` (continuous batching: concurrent
+            requests share forward passes, each output equal to its solo run); False: each
+            request runs its own passes on the shared engine. The ort backend only.
+        token_budget: the scheduler's rows per pass that holds decode steps (a latency
+            bound; see :class:`~lade_export.scheduler.Scheduler`); with ``batching`` only.
+        kv_tokens: the most tokens the scheduler's KV pool holds over all the instance's
+            requests (float32 keys and values, allocated as requests need them); 0: the
+            scheduler's default (``max_concurrent_requests`` × the model's context, capped
+            on ``group-query-attention`` graphs); with ``batching`` only.
     """
 
     artifact_dir: str
@@ -121,6 +133,9 @@ class ServingSettings:
     default_max_new_tokens: int = 128
     max_concurrent_requests: int = 8
     verify: str = "quick"
+    batching: bool = True
+    token_budget: int = TOKEN_BUDGET
+    kv_tokens: int = 0
 
     def __post_init__(self) -> None:
         if GREEDY in self.profiles:
@@ -132,8 +147,11 @@ class ServingSettings:
             raise ServingError(f"backend must be ort or tensorrt, got {self.backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise ServingError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.batching and self.backend == "tensorrt":
+            raise ServingError("batching needs the ort backend: TensorRT engines' optimization profiles do not cover "
+                               "packed passes yet (write the model with --no-batching)")
         for key, low in (("threads", 0), ("max_new_tokens_limit", 1), ("default_max_new_tokens", 1),
-                         ("max_concurrent_requests", 1)):
+                         ("max_concurrent_requests", 1), ("token_budget", 1), ("kv_tokens", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ServingError(f"{key} must be an integer ≥ {low}, got {value!r}")
@@ -161,6 +179,9 @@ class ServingSettings:
             "default_max_new_tokens": str(self.default_max_new_tokens),
             "max_concurrent_requests": str(self.max_concurrent_requests),
             "verify": self.verify,
+            "batching": "true" if self.batching else "false",
+            "token_budget": str(self.token_budget),
+            "kv_tokens": str(self.kv_tokens),
         }
 
     @classmethod
@@ -177,6 +198,12 @@ class ServingSettings:
             except ValueError:
                 raise ServingError(f"parameter {key} must be an integer, got {raw!r}") from None
 
+        def flag(key, default):
+            raw = params.get(key, "true" if default else "false").strip().lower()
+            if raw not in ("true", "false"):
+                raise ServingError(f"parameter {key} must be true or false, got {params[key]!r}")
+            return raw == "true"
+
         if "artifact_dir" not in params or "profiles" not in params:
             raise ServingError("config.pbtxt lacks the artifact_dir or profiles parameter; rewrite it with lade-export triton")
         try:
@@ -187,17 +214,21 @@ class ServingSettings:
             profiles = {name: LookaheadProfile.from_dict(p, name=name) for name, p in raw_profiles.items()}
         except ProfileError as err:
             raise ServingError(f"parameter profiles: {err}") from None
+        backend = params.get("backend", "ort")
         return cls(
             artifact_dir=params["artifact_dir"],
             profiles=profiles,
             default_profile=params.get("default_profile", next(iter(profiles), GREEDY)),
-            backend=params.get("backend", "ort"),
+            backend=backend,
             device=params.get("device", "cpu"),
             threads=integer("threads", 0),
             max_new_tokens_limit=integer("max_new_tokens_limit", 512),
             default_max_new_tokens=integer("default_max_new_tokens", 128),
             max_concurrent_requests=integer("max_concurrent_requests", 8),
             verify=params.get("verify", "quick"),
+            batching=flag("batching", backend != "tensorrt"),
+            token_budget=integer("token_budget", TOKEN_BUDGET),
+            kv_tokens=integer("kv_tokens", 0),
         )
 
 

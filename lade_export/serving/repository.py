@@ -100,7 +100,8 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
                            profiles=(), backend: str = "ort", device: str | None = None,
                            max_new_tokens_limit: int | None = None, default_max_new_tokens: int | None = None,
                            max_concurrent_requests: int = 8, threads: int = 0, copy_artifact: bool = False,
-                           artifact_path: str | None = None, force: bool = False) -> Path:
+                           artifact_path: str | None = None, force: bool = False, batching: bool | None = None,
+                           token_budget: int | None = None, kv_tokens: int | None = None) -> Path:
     """Write ``repository/<name>`` serving the artifact at ``artifact_dir``.
 
     Args:
@@ -116,12 +117,21 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         max_new_tokens_limit: the most new tokens a request may ask for (default: the
             context minus one; the prompt and new tokens must fit the context anyway).
         default_max_new_tokens: for requests that give none (default: min(256, limit)).
-        max_concurrent_requests: requests decoded at once per instance.
+        max_concurrent_requests: requests decoded at once per instance (with batching:
+            the scheduler's ``max_batch``, the most requests that share a pass).
         threads: engine threads per instance (0: the engine's default).
         copy_artifact: put the artifact inside the repository instead of referencing it.
         artifact_path: the artifact's path as the server sees it (a mounted volume);
             default: its absolute path here. Not with ``copy_artifact``.
         force: replace an existing ``repository/<name>`` written by this command.
+        batching: each instance runs its requests through one
+            :class:`lade_export.scheduler.Scheduler` (default: True for ort; the tensorrt
+            backend serves without it).
+        token_budget: the scheduler's rows per pass that holds decode steps (default
+            :data:`lade_export.scheduler.TOKEN_BUDGET`); with batching only.
+        kv_tokens: the most tokens an instance's KV pool holds over its requests
+            (default: the scheduler's, ``max_concurrent_requests`` × context); with
+            batching only.
 
     Returns:
         The model directory.
@@ -130,8 +140,9 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         ArtifactError: the artifact is missing or damaged; ``<name>`` exists (without
             ``force``) or was not written by this command.
         ProfileError: a profile is invalid or does not fit the model's context.
-        ServingError: a bad name, instance count, limit, backend/device combination, or
-            ``artifact_path`` together with ``copy_artifact``.
+        ServingError: a bad name, instance count, limit, backend/device combination,
+            ``artifact_path`` together with ``copy_artifact``, or ``token_budget`` /
+            ``kv_tokens`` without batching.
     """
     artifact = Artifact(artifact_dir)
     name = name or default_model_name(artifact)
@@ -147,6 +158,13 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
                            "with --backend ort")
     if copy_artifact and artifact_path:
         raise ServingError("give --artifact-path or --copy-artifact, not both")
+    if batching is None:
+        batching = backend != "tensorrt"
+    if not batching:
+        for flag, value in (("--token-budget", token_budget), ("--kv-tokens", kv_tokens)):
+            if value is not None:
+                why = "--no-batching" if backend != "tensorrt" else "the tensorrt backend, which serves without one"
+                raise ServingError(f"{flag} is an option of the scheduler, and this model has none ({why})")
 
     if profiles:
         resolved = [resolve_profile(p) for p in profiles]
@@ -177,6 +195,9 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         max_new_tokens_limit=limit,
         default_max_new_tokens=min(256, limit) if default_max_new_tokens is None else default_max_new_tokens,
         max_concurrent_requests=max_concurrent_requests,
+        batching=batching,
+        **({} if token_budget is None else {"token_budget": token_budget}),
+        kv_tokens=kv_tokens or 0,
     )
 
     from .. import __version__

@@ -7,13 +7,20 @@ model instance. It is only an adapter: request tensors are parsed and responses 
 ``Model.stream`` — this file is where the runtime's API meets Triton's.
 
 * ``initialize`` loads the artifact named by the ``artifact_dir`` parameter once per
-  instance (a relative path is read from the version directory).
+  instance (a relative path is read from the version directory) and, with the
+  ``batching`` parameter (the default on ONNX Runtime), gives it one
+  :class:`lade_export.scheduler.Scheduler` (options ``token_budget``, ``kv_tokens``, and
+  ``max_concurrent_requests`` as its ``max_batch``): every request of the instance then
+  runs in the scheduler's shared forward passes, each output equal to its solo run.
 * ``execute`` parses each request and opens its stream (a bad request is answered with
-  its error response right there), hands the decoding to a worker thread and returns
-  (decoupled model); up to ``max_concurrent_requests`` requests decode at once per
-  instance. A bad request so never waits for a free worker to get its error.
+  its error response right there), hands the reading of the stream to a worker thread
+  and returns (decoupled model: Triton sends the instance its next requests while these
+  decode); up to ``max_concurrent_requests`` requests decode at once per instance. A bad
+  request so never waits for a free worker to get its error. With the scheduler the
+  workers are its readers: whichever waits for a chunk while no pass runs runs the next
+  pass for every request (leader/follower, no thread of its own).
 * each decode step becomes one response; the last one carries ``stop_reason``,
-  ``stats`` and the final flag.
+  ``stats`` (with the scheduler's pass counters of the instance) and the final flag.
 * a client cancellation (``is_cancelled``) stops the request before its next step and
   frees its KV cache; a bad request gets an INVALID_ARG error response and the instance
   keeps serving.
@@ -34,7 +41,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
-    """One model instance: an artifact, its engine and a pool of request threads."""
+    """One model instance: an artifact, its engine, its scheduler (with ``batching``) and a
+    pool of request threads."""
 
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -61,14 +69,28 @@ class TritonPythonModel:
                 artifact = Path(args["model_repository"]) / args["model_version"] / artifact
             self.model = lade_export.load(artifact, backend=self.settings.backend, threads=self.settings.threads or None,
                                           device=self.settings.device, verify=self.settings.verify)
+            self.scheduler = None
+            if self.settings.batching:
+                from lade_export.scheduler import Scheduler
+
+                self.scheduler = Scheduler(self.model.decoder, token_budget=self.settings.token_budget,
+                                           max_batch=self.settings.max_concurrent_requests,
+                                           kv_tokens=self.settings.kv_tokens or None)
+                self.model.scheduler = self.scheduler  # Model.stream and Model.close use it
         except LadeError as err:
             raise pb_utils.TritonModelException(str(err)) from None
         self.closing = threading.Event()
         threading.Thread(target=self._watch_stop, name=f"lade-{self.instance}-watch", daemon=True).start()
         self.pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests,
                                        thread_name_prefix=f"lade-{self.instance}")
+        if self.scheduler is not None:
+            batching = (f"scheduler: max_batch {self.scheduler.max_batch}, token_budget {self.scheduler.token_budget}, "
+                        f"kv_tokens {self.scheduler.kv_tokens}")
+        else:
+            batching = f"no scheduler: up to {self.settings.max_concurrent_requests} requests on their own passes"
         pb_utils.Logger.log_info(f"{self.instance}: loaded {artifact} on {self.settings.backend}/{self.settings.device} "
-                                 f"in {self.model.load_s:.2f}s; profiles {', '.join(self.settings.profile_names)}")
+                                 f"in {self.model.load_s:.2f}s; profiles {', '.join(self.settings.profile_names)}; "
+                                 f"{batching}")
 
     def execute(self, requests):
         for request in requests:
@@ -100,7 +122,9 @@ class TritonPythonModel:
                 self._fail(sender, "the model is unloading", pb_utils.TritonError.UNAVAILABLE)
                 return None
             req = self.protocol.parse_request(lambda name: self._input(request, name), self.settings)
-            return sender, rid, req, self.model.stream(req.prompt, **req.stream_kwargs(self.settings))
+            # cancel=closing: an unloading instance ends its requests at their next pass, read or not
+            return sender, rid, req, self.model.stream(req.prompt, cancel=self.closing,
+                                                       **req.stream_kwargs(self.settings))
         except self.LadeError as err:
             pb_utils.Logger.log_info(f"{self.instance}: request {rid} rejected: {err}")
             self._fail(sender, str(err), pb_utils.TritonError.INVALID_ARG)
@@ -119,8 +143,17 @@ class TritonPythonModel:
             except Exception:
                 pass
 
+    def _scheduler_stats(self) -> dict:
+        """The instance's scheduler counters since it loaded: ``passes`` (forward passes),
+        ``shared_passes`` (passes that carried more than one request), ``most_requests_per_pass``,
+        and its options ``max_batch``, ``token_budget``, ``kv_tokens``."""
+        s = self.scheduler
+        shapes = dict(s.pass_shapes)  # (requests, rows) -> passes; a copy, the lead thread adds to it
+        return {"passes": s.passes, "shared_passes": sum(n for (k, _), n in shapes.items() if k > 1),
+                "most_requests_per_pass": max((k for k, _ in shapes), default=0), "max_batch": s.max_batch,
+                "token_budget": s.token_budget, "kv_tokens": s.kv_tokens}
+
     def _decode(self, sender, rid, req, stream):
-        extra = {"profile": req.profile, "instance": self.instance}
         new_tokens = 0
         with stream:  # leaving the block frees the request's KV cache
             for chunk in stream:
@@ -131,7 +164,12 @@ class TritonPythonModel:
                     self._fail(sender, f"request {why}", pb_utils.TritonError.CANCELLED)
                     return
                 new_tokens += len(chunk.token_ids)
-                outputs = self.protocol.chunk_outputs(chunk, extra if chunk.final else None)
+                extra = None
+                if chunk.final:
+                    extra = {"profile": req.profile, "instance": self.instance}
+                    if self.scheduler is not None:
+                        extra["scheduler"] = self._scheduler_stats()
+                outputs = self.protocol.chunk_outputs(chunk, extra)
                 response = pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
                 sender.send(response, flags=FINAL if chunk.final else 0)
                 if chunk.final:
