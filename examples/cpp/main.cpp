@@ -1,21 +1,29 @@
 // lade_host: a C++ program that embeds the lade-export runtime.
 //
 // It starts a Python interpreter (the virtual environment where lade-export is
-// installed), loads a built artifact once, and serves several requests at once from
-// C++ threads. Each request's text streams to a C++ callback; one request is cancelled
+// installed), loads a built artifact once with its scheduler (continuous batching:
+// lade_export.load(..., batching=True)), and serves several requests at once from C++
+// threads. Each request's text streams to a C++ callback; one request is cancelled
 // midway; a bad request turns into a C++ exception carrying the runtime's one-line
-// message. Results are printed one JSON object per line on stdout.
+// message. Results are printed one JSON object per line on stdout, then the
+// scheduler's pass counters.
 //
 // Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS]
 //
-// Threads and the GIL: the main thread releases the GIL once the model is loaded.
-// A request thread holds the GIL only while it calls into Python (starting the stream,
-// taking the next chunk); ONNX Runtime releases it during each forward pass, so the
-// engine runs requests in parallel, and the C++ callback runs with the GIL released.
+// Threads, the scheduler and the GIL: the main thread releases the GIL once the model is
+// loaded. The concurrent requests share forward passes: each pass carries the next step
+// of every running request (each output equals the request's solo output). The
+// scheduler has no thread of its own: a request thread waiting for its next chunk runs
+// the next pass for all of them when no other thread is running one, and otherwise waits
+// (with the GIL released). A request thread holds the GIL only while it calls into
+// Python (starting the stream, taking the next chunk, the host work of a pass); ONNX
+// Runtime releases it during each forward pass, and the C++ callback runs with the GIL
+// released.
 
 #include <pybind11/embed.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -84,7 +92,7 @@ class Model {
   explicit Model(const std::string& artifact_dir) {
     py::gil_scoped_acquire gil;
     try {
-      model_ = py::module_::import("lade_export").attr("load")(artifact_dir);
+      model_ = py::module_::import("lade_export").attr("load")(artifact_dir, py::arg("batching") = true);
     } catch (py::error_already_set& err) {
       rethrow(err);
     }
@@ -128,6 +136,27 @@ class Model {
     } catch (py::error_already_set& err) {
       rethrow(err);
     }
+  }
+
+  // The scheduler's counters as one JSON object: passes run, passes that carried more
+  // than one request, and the most requests one pass carried.
+  std::string scheduler_json() const {
+    py::gil_scoped_acquire gil;
+    py::object s = model_.attr("scheduler");
+    py::dict shapes(s.attr("pass_shapes"));  // (requests, rows) -> passes
+    int shared = 0, most = 0;
+    for (auto item : shapes) {
+      int requests = item.first.cast<py::tuple>()[0].cast<int>();
+      if (requests > 1) shared += item.second.cast<int>();
+      most = std::max(most, requests);
+    }
+    py::dict d;
+    d["passes"] = s.attr("passes");
+    d["shared_passes"] = shared;
+    d["most_requests_per_pass"] = most;
+    py::dict line;
+    line["scheduler"] = d;
+    return py::str(py::module_::import("json").attr("dumps")(line));
   }
 
  private:
@@ -233,6 +262,7 @@ int main(int argc, char** argv) {
   }
 
   for (size_t i = 0; i < requests.size(); ++i) std::cout << json_line(int(i), requests[i], results[i], errors[i]) << "\n";
+  std::cout << model->scheduler_json() << "\n";
 
   // A bad request reaches C++ as an exception with the runtime's message.
   lade::Request bad{"Once upon a time", max_new, std::string("no-such-profile"), true};
