@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from .errors import ArtifactError
@@ -73,10 +74,6 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-class _Terminated(BaseException):
-    """Raised in the main thread on SIGTERM so cleanup code runs."""
-
-
 @contextlib.contextmanager
 def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANIFEST,
                      what: str = "a lade-export build"):
@@ -89,11 +86,24 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
             (``--force`` replaces nothing without it).
         what: how the error names such a directory.
 
+    Interrupts (in the main thread, SIGINT and SIGTERM get a handler of their own for the
+    duration): one inside the block raises KeyboardInterrupt there at once; and since
+    Python runs a signal handler between any two bytecodes, also inside a ``__del__`` or
+    a library's ``except BaseException`` that discard the exception, every signal is
+    recorded too and checked again before the commit, so a build whose interrupt was lost
+    still ends with KeyboardInterrupt and leaves ``out`` as it was. While the lock and
+    temporary directory are created, while they are removed and while ``out`` is being
+    replaced, a signal is only recorded (the handler is Python's, whatever thread the
+    kernel gives the signal to): one recorded before the replacement raises
+    KeyboardInterrupt after the cleanup (``out`` as it was); one that arrives during it
+    raises KeyboardInterrupt afterwards, with ``out`` the new complete directory.
+
     Raises:
         ArtifactError: ``out`` exists and ``force`` is false; ``out`` exists but is not a
             lade-export build (``force`` never deletes anything else); ``out`` is empty,
             the working or home directory; or another build holds the lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
             temporary directory is removed and ``out`` is left as it was.
+        KeyboardInterrupt: SIGINT or SIGTERM (above).
     """
     if not str(out).strip():
         raise ArtifactError("--out is empty; give the artifact directory to create")
@@ -110,18 +120,25 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
 
-    def on_term(signum, frame):
-        raise _Terminated()
+    caught = []  # signals received while the context runs
+    building = [False]  # inside the block: raise at once
 
-    signals = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.getsignal(signal.SIGTERM)
-    # Signals stay blocked whenever the directory state changes (lock + temp dir
-    # creation, the final renames, cleanup), so an interrupt can only land while the
-    # build itself runs, where the cleanup below is guaranteed to follow.
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-    tmp = None
+    def on_signal(signum, frame):
+        caught.append(signum)
+        if building[0]:
+            raise KeyboardInterrupt("terminated" if signum == signal.SIGTERM else "interrupted")
+
+    def stop_if_caught():
+        if caught:
+            raise KeyboardInterrupt("terminated" if caught[0] == signal.SIGTERM else "interrupted")
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    lock_fd = tmp = None
+    replacing = False
     try:
+        lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -130,18 +147,20 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
             raise ArtifactError(f"another build into {out} is in progress") from None
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         os.chmod(tmp, 0o755)
-        signal.signal(signal.SIGTERM, on_term)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        stop_if_caught()
+        building[0] = True
         try:
             yield tmp
-        except _Terminated:
-            raise KeyboardInterrupt("terminated") from None
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        finally:
+            building[0] = False
+        stop_if_caught()  # an interrupt whose KeyboardInterrupt the block lost: nothing is replaced
         for f in tmp.rglob("*"):
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        if out.exists() and not force:
+            raise ArtifactError(f"{out} appeared during the build; pass --force to replace it")
+        stop_if_caught()
+        replacing = True
         if out.exists():
-            if not force:
-                raise ArtifactError(f"{out} appeared during the build; pass --force to replace it")
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "prev")
             os.replace(tmp, out)
@@ -149,15 +168,17 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
         else:
             os.replace(tmp, out)
     finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        building[0] = False
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         if lock_fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock_path)
             os.close(lock_fd)
-        signal.signal(signal.SIGTERM, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # a pending interrupt is delivered now
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if replacing and caught:  # it arrived while out was being replaced: out is the new build
+        raise KeyboardInterrupt(f"interrupted after the new build was written to {out}")
 
 
 #: Keys every manifest section must hold for the runtime to open the artifact.

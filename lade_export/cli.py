@@ -7,7 +7,9 @@ message, when ``generate``'s reader closes stdout (as SIGPIPE would).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -60,9 +62,12 @@ class _Group(click.Group):
             click.echo(f"error: lade-export {ctx.invoked_subcommand} needs {err.name}, which this install lacks: "
                        f"pip install 'lade-export[{extra}]'", err=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            interrupted_build = ctx.invoked_subcommand in ("build", "export")
-            click.echo("error: interrupted; nothing was written" if interrupted_build else "error: interrupted", err=True)
+        except KeyboardInterrupt as err:
+            message = "error: interrupted"
+            if ctx.invoked_subcommand in ("build", "export"):
+                message = f"error: {err}" if str(err).startswith("interrupted after") else \
+                    "error: interrupted; nothing was written"
+            click.echo(message, err=True)
             sys.exit(130)
 
 
@@ -222,21 +227,44 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         from .backends.tensorrt import require_tensorrt
 
         require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
-    with _progress() as say:
-        manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
-                                  engine_options=engine_options, timing_cache=timing_cache, quantization=quantization,
-                                  attention=attention)
-    worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
-    click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
-               f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
-               f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
-    if quantization is not None:
-        q = manifest["quantization"]
-        click.echo(f"{precision} weights: {q['graph']['bytes_after'] / 2**20:.0f} MB (float32 "
-                   f"{q['graph']['bytes_before'] / 2**20:.0f} MB); against the float32 graph: top-1 agreement "
-                   f"{100 * q['quality']['top1_agreement']:.1f}% over {q['quality']['positions']} answer tokens, "
-                   f"max |Δlogit| {q['quality']['max_abs_logit_diff']:.2f}", err=True)
-    _echo_rope_note(manifest)
+    with _interrupt_names_written_build(out):
+        with _progress() as say:
+            manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
+                                      engine_options=engine_options, timing_cache=timing_cache,
+                                      quantization=quantization, attention=attention)
+        worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
+        click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
+                   f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
+                   f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
+        if quantization is not None:
+            q = manifest["quantization"]
+            click.echo(f"{precision} weights: {q['graph']['bytes_after'] / 2**20:.0f} MB (float32 "
+                       f"{q['graph']['bytes_before'] / 2**20:.0f} MB); against the float32 graph: top-1 agreement "
+                       f"{100 * q['quality']['top1_agreement']:.1f}% over {q['quality']['positions']} answer "
+                       f"tokens, max |Δlogit| {q['quality']['max_abs_logit_diff']:.2f}", err=True)
+        _echo_rope_note(manifest)
+
+
+@contextlib.contextmanager
+def _interrupt_names_written_build(out):
+    """A KeyboardInterrupt that lands once ``out`` is the new build (the directory was
+    replaced: another inode) says so, instead of the "nothing was written" of an interrupt
+    before that (:func:`lade_export.artifact.atomic_directory` keeps the previous build then)."""
+    def identity():
+        try:
+            st = os.stat(out)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    before = identity()
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        if identity() != before and not str(err).startswith("interrupted after"):
+            raise KeyboardInterrupt(f"interrupted after the new build was written to {Path(out).resolve()}") \
+                from None
+        raise
 
 
 def _echo_rope_note(manifest) -> None:
@@ -283,10 +311,11 @@ def export(source, out, force):
     """Export and parity-check the step graph only (a build with the default profile)."""
     from .build import build_artifact
 
-    with _progress() as say:
-        manifest = build_artifact(source, _profiles(None), out, force=force, status=say)
-    click.echo(f"exported {out / manifest['graph']['file']}")
-    _echo_rope_note(manifest)
+    with _interrupt_names_written_build(out):
+        with _progress() as say:
+            manifest = build_artifact(source, _profiles(None), out, force=force, status=say)
+        click.echo(f"exported {out / manifest['graph']['file']}")
+        _echo_rope_note(manifest)
 
 
 def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):

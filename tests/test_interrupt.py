@@ -1,6 +1,7 @@
 """Interrupted and concurrent builds never leave a partial artifact directory."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lade_export.artifact import Artifact
+from lade_export.artifact import Artifact, atomic_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,34 +59,85 @@ def test_sigterm_mid_export_of_smollm2_leaves_nothing_then_rebuild_succeeds(tmp_
     assert sorted(os.listdir(tmp_path)) == ["smol"]
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_force_rebuild_keeps_previous_build(tmp_path, stories_dir, stories_artifact, sig):
-    import shutil
-
     out = tmp_path / "art"
-    # A stories260K build takes seconds and creates its temporary directory early, but a
-    # signal can still land after the build has committed (then it completes, whole): such
-    # an attempt must leave a complete artifact, and another attempt is made, up to 3.
-    for attempt in range(3):
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(stories_artifact, out)
-        before = (out / "manifest.json").read_bytes()
-        proc = start_build("--model", stories_dir, "--out", out, "--force")
-        try:
-            wait_for(lambda: temp_dirs(tmp_path, "art"), what="the temporary build directory")
-            proc.send_signal(sig)
-            _, err = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-        assert sorted(os.listdir(tmp_path)) == ["art"], err  # never a temporary directory or lock left
-        Artifact(out)  # verifies every checksum
-        if proc.returncode == 0 and err.strip().splitlines()[-1].startswith(f"built {out}"):
-            continue  # the signal came after the commit: a whole new build
-        assert proc.returncode == 130, err
-        assert err.strip().splitlines()[-1] == "error: interrupted; nothing was written"
-        assert (out / "manifest.json").read_bytes() == before
-        return
-    pytest.fail("three builds finished before the signal took effect")
+    shutil.copytree(stories_artifact, out)
+    before = (out / "manifest.json").read_bytes()
+    proc = start_build("--model", stories_dir, "--out", out, "--force")
+    try:
+        wait_for(lambda: temp_dirs(tmp_path, "art"), what="the temporary build directory")
+        # The build is stopped while its temporary directory exists, so it has not begun
+        # to replace --out (that renames the directory away), however loaded the machine
+        # is; the signal is delivered when it continues.
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(proc.pid) == "T", timeout=30, what="the build to stop")
+        assert temp_dirs(tmp_path, "art"), "the build finished before it could be stopped"
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted; nothing was written"
+    assert sorted(os.listdir(tmp_path)) == ["art"], err  # never a temporary directory or lock left
+    Artifact(out)  # verifies every checksum
+    assert (out / "manifest.json").read_bytes() == before
+
+
+class _InterruptsInFinalizer:
+    """An object whose finalizer sends SIGINT to this process and runs Python code, so the
+    handler runs inside ``__del__``, where Python prints and drops what it raises."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+
+
+def test_an_interrupt_lost_inside_a_finalizer_still_keeps_the_previous_build(tmp_path, monkeypatch):
+    # The cause of a build that got SIGINT and exited 0 with a new artifact: the handler
+    # ran inside a garbage-collected object's __del__ (regex's, while transformers was
+    # imported), Python dropped its KeyboardInterrupt, and the build went on to commit.
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "manifest.json").write_text("previous\n")
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lost.append)  # where Python puts what a __del__ raises
+    with pytest.raises(KeyboardInterrupt, match="^interrupted$"):
+        with atomic_directory(out, force=True) as tmp:
+            _InterruptsInFinalizer()  # made and finalized at once: the KeyboardInterrupt raised in it is lost
+            assert [u.exc_type for u in lost] == [KeyboardInterrupt]
+            (tmp / "manifest.json").write_text("new\n")
+    assert (out / "manifest.json").read_text() == "previous\n"
+    assert sorted(os.listdir(tmp_path)) == ["art"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupt_while_out_is_replaced_lets_the_new_build_land_and_says_so(tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "manifest.json").write_text("previous\n")
+    replace = os.replace
+
+    def interrupted_replace(src, dst):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs in the loop below: only recorded here
+        for _ in range(1000):
+            pass
+        replace(src, dst)
+
+    with pytest.raises(KeyboardInterrupt, match=f"^interrupted after the new build was written to {out}$"):
+        with atomic_directory(out, force=True) as tmp:
+            (tmp / "manifest.json").write_text("new\n")
+            monkeypatch.setattr(os, "replace", interrupted_replace)
+    monkeypatch.undo()
+    assert (out / "manifest.json").read_text() == "new\n"
+    assert sorted(os.listdir(tmp_path)) == ["art"]  # neither the temporary nor the previous directory left
 
 
 def test_two_concurrent_builds_one_wins_and_the_result_is_complete(tmp_path, stories_dir):
