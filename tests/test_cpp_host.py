@@ -37,7 +37,8 @@ def test_cpp_threads_stream_the_python_api_text_and_cancel_one(lade_host, storie
     proc = subprocess.run([str(lade_host), str(stories_artifact), "64"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    scheduler = rows.pop(4)["scheduler"]
+    [counters] = [line for line in proc.stderr.splitlines() if line.startswith("[scheduler] ")]
+    scheduler = json.loads(counters.removeprefix("[scheduler] "))["scheduler"]
     assert [r["id"] for r in rows] == [0, 1, 2, 3, -1]
     model = lade_export.load(stories_artifact)  # no scheduler: each request alone on its own passes
     for row in rows[:4]:

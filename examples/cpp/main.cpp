@@ -5,8 +5,8 @@
 // lade_export.load(..., batching=True)), and serves several requests at once from C++
 // threads. Each request's text streams to a C++ callback; one request is cancelled
 // midway; a bad request turns into a C++ exception carrying the runtime's one-line
-// message. Results are printed one JSON object per line on stdout, then the
-// scheduler's pass counters.
+// message. Results are printed one JSON object per line on stdout; the streamed text
+// and the scheduler's pass counters go to stderr.
 //
 // Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS]
 //
@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
   }
 
   for (size_t i = 0; i < requests.size(); ++i) std::cout << json_line(int(i), requests[i], results[i], errors[i]) << "\n";
-  std::cout << model->scheduler_json() << "\n";
+  std::cerr << "[scheduler] " << model->scheduler_json() << "\n";  // stdout: one line per request
 
   // A bad request reaches C++ as an exception with the runtime's message.
   lade::Request bad{"Once upon a time", max_new, std::string("no-such-profile"), true};
