@@ -1028,20 +1028,69 @@ void run_attention(void* data, size_t task) {
 }
 
 // In-place cache (past_layout 1): the keys of the blocks some row of batch b sees, laid out as
-// [D, 16] tiles (what the graph's Transpose gave, for those blocks only). Task = (b, kv head).
-void run_tiles(void* data, size_t task) {
-  const AttnJob& job = *static_cast<const AttnJob*>(data);
-  const int64_t bi = static_cast<int64_t>(task) / job.kv, h = static_cast<int64_t>(task) % job.kv, d = job.d;
-  float* tiles = job.tiles + (bi * job.kv + h) * job.nb_p * d * kKeys;
-  for (int64_t i = 0; i < job.nb_p; ++i) {
+// [D, 16] tiles (what the graph's Transpose gave, for those blocks only; a copy, no arithmetic).
+// Task = (b, kv head, kTileTasks consecutive blocks).
+constexpr int64_t kTileTasks = 8;
+
+template <bool WIDE>
+#ifdef LADE_X86
+__attribute__((target("avx512f")))
+#endif
+void tiles_of(const AttnJob& job, int64_t task) {
+  const int64_t chunks = (job.nb_p + kTileTasks - 1) / kTileTasks, d = job.d, kv = job.kv;
+  const int64_t bi = task / (kv * chunks), h = (task / chunks) % kv, first = (task % chunks) * kTileTasks;
+  float* tiles = job.tiles + (bi * kv + h) * job.nb_p * d * kKeys;
+  for (int64_t i = first; i < std::min(job.nb_p, first + kTileTasks); ++i) {
     if (!job.needed[bi * job.nb_p + i]) continue;
     float* tile = tiles + i * d * kKeys;
     const int64_t j0 = i * kKeys, width = std::min(kKeys, job.p - j0);
-    for (int64_t c = 0; c < kKeys; ++c) {
-      const float* key = job.pk + ((bi * job.p + j0 + c) * job.kv + h) * d;
-      for (int64_t e = 0; e < d; ++e) tile[e * kKeys + c] = c < width ? key[e] : 0.0f;
+    const float* keys = job.pk + ((bi * job.p + j0) * kv + h) * d;  // key j0 + c, element e: keys[c·KV·D + e]
+#ifdef LADE_X86
+    if (WIDE && d % 16 == 0) {  // 16 keys × 16 elements at a time, transposed in registers
+      for (int64_t e0 = 0; e0 < d; e0 += 16) {
+        __m512 r[16], t[16];
+        for (int64_t c = 0; c < kKeys; ++c)
+          r[c] = c < width ? _mm512_loadu_ps(keys + c * kv * d + e0) : _mm512_setzero_ps();
+        for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; ++i) {  // lane L of r[4i + k]: element 4L + k of keys 4i … 4i + 3
+          r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+          r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+          r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+          r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+        }
+        for (int k = 0; k < 4; ++k) {  // gather lane L of r[k], r[4 + k], r[8 + k], r[12 + k]: element 4L + k
+          const __m512 s0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), s1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD),
+                       s2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88),
+                       s3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+          _mm512_storeu_ps(tile + (e0 + k) * kKeys, _mm512_shuffle_f32x4(s0, s2, 0x88));
+          _mm512_storeu_ps(tile + (e0 + k + 8) * kKeys, _mm512_shuffle_f32x4(s0, s2, 0xDD));
+          _mm512_storeu_ps(tile + (e0 + k + 4) * kKeys, _mm512_shuffle_f32x4(s1, s3, 0x88));
+          _mm512_storeu_ps(tile + (e0 + k + 12) * kKeys, _mm512_shuffle_f32x4(s1, s3, 0xDD));
+        }
+      }
+      continue;
     }
+    if (WIDE && kv * d * kKeys < (int64_t{1} << 31)) {
+      const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+      const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(kv * d)));
+      for (int64_t e = 0; e < d; ++e)
+        _mm512_storeu_ps(tile + e * kKeys, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, at, keys + e, 4));
+      continue;
+    }
+#endif
+    for (int64_t c = 0; c < kKeys; ++c)
+      for (int64_t e = 0; e < d; ++e) tile[e * kKeys + c] = c < width ? keys[c * kv * d + e] : 0.0f;
   }
+}
+
+void run_tiles(void* data, size_t task) {
+  const AttnJob& job = *static_cast<const AttnJob*>(data);
+  if (dispatch().float_avx512) return tiles_of<true>(job, static_cast<int64_t>(task));
+  tiles_of<false>(job, static_cast<int64_t>(task));
 }
 
 struct AttentionKernel {
@@ -1089,7 +1138,8 @@ struct AttentionKernel {
                   pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
                   b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>(),
                   in_place, seen.data(), nb_p, nb_s, in_place ? tiles.data() : nullptr, needed.data()};
-      if (in_place && b * kv * nb_p) ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv), 0, &job);
+      if (in_place && b * kv * nb_p)
+        ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
       if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
       return nullptr;
     } catch (const std::exception& e) {
