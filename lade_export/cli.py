@@ -916,8 +916,9 @@ def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max
     try:
         model = load(artifact_dir, batching=True, threads=threads)
         if model.scheduler.max_batch != max_concurrent:  # every running request gets a place in the passes
+            policy = model.scheduler.width_policy
             model.scheduler.close()
-            model.scheduler = Scheduler(model.decoder, max_batch=max_concurrent)
+            model.scheduler = Scheduler(model.decoder, max_batch=max_concurrent, width_policy=policy)
         profiles = {}
         for value in profile_values or (None,):
             prof = model.resolve_profile(value)
