@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lade_export.serving.repository import write_model_repository
 
 from .test_serving import _gather, _require_triton, triton_env  # noqa: F401  (triton_env: a fixture)
@@ -18,12 +20,14 @@ from .test_serving import _gather, _require_triton, triton_env  # noqa: F401  (t
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["scheduler", "no-batching"])
 def test_stop_ends_the_requests_in_flight_instead_of_waiting_out_the_exit_timeout(tmp_path, stories_artifact,
-                                                                                 triton_env):  # noqa: F811
+                                                                                 triton_env, batching):  # noqa: F811
     from lade_export.serving.local import LocalTritonServer
 
+    # sixteen requests in flight: in one scheduler's passes, or (--no-batching) each on its own
     write_model_repository(stories_artifact, tmp_path / "repo", name="busy", threads=1, max_concurrent_requests=16,
-                           max_new_tokens_limit=480)
+                           max_new_tokens_limit=480, batching=batching)
     server = LocalTritonServer(tmp_path / "repo", tmp_path / "run", env_dir=triton_env, exit_timeout_s=20)
     server.start()
     requests = [dict(prompt=f"Once upon a time, {i}", max_new_tokens=480, profile="greedy") for i in range(16)]
@@ -41,6 +45,8 @@ def test_stop_ends_the_requests_in_flight_instead_of_waiting_out_the_exit_timeou
     finally:
         server.stop()
     log = server.log_text()
+    assert ("scheduler: max_batch 16, token_budget 64, kv_tokens 8192" if batching
+            else "no scheduler: up to 16 requests on their own passes") in log
     assert "stopped: the model is unloading after" in log
     assert "Exit timeout expired" not in log and server.process.returncode == 0, log[-2000:]
     assert stopped_s < 10, stopped_s  # was the exit timeout (20 s here) and a SIGKILL
