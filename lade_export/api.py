@@ -44,25 +44,30 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
         batching: True runs every request of the model through one
             :class:`lade_export.scheduler.Scheduler` (continuous batching: concurrent
             requests share forward passes; each output equals its unbatched one), with
-            its default options (``model.scheduler``); ort and torch backends.
+            its default options (``model.scheduler``); with the tensorrt backend the
+            engines need their packed optimization profile (built since it exists).
 
     Raises:
         ArtifactError: not a build, another schema version, or a damaged file.
         BackendUnavailableError: the backend or device is missing.
         GenerationError: ``dtype`` other than float32 with the ort or tensorrt backend;
-            ``batching`` with the tensorrt backend.
+            ``batching`` with TensorRT engines whose packed profile is missing (built
+            before it existed: rebuild) or smaller than the scheduler's passes.
     """
     from .backends import open_engine
-
-    if batching and backend == "tensorrt":
-        raise GenerationError("batching=True needs the ort or torch backend: TensorRT engines' optimization profiles "
-                              "do not cover packed passes yet")
 
     t0 = time.perf_counter()
     artifact = Artifact(artifact_dir, verify=verify)
     tokenizer = artifact.tokenizer()
     engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
     model = Model(artifact, tokenizer, engine, batching=batching)
+    if batching and backend == "tensorrt":  # the scheduler's passes must fit the engines' packed profile
+        s = model.scheduler
+        try:
+            engine.check_batching(s.token_budget, s.prefill_chunk, s.kv_tokens)
+        except GenerationError:
+            model.close()
+            raise
     model.load_s = time.perf_counter() - t0
     return model
 

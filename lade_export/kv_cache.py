@@ -15,14 +15,43 @@ keys, filled up to ``length`` tokens in sequence order, and no step copies the c
   copy is of the accepted tokens, and none when they are the first rows of the step (a
   greedy step, a prefill). The buffers need room for the widest step beyond the tokens
   kept (``step_room``).
+
+Engines that keep a copy of the cache in device memory (TensorRT, ONNX Runtime with I/O
+binding, :mod:`lade_export.backends.cuda`) read the cache's write log instead of the
+buffers: every write has a :attr:`KVCache.revision`, and :meth:`KVCache.writes_since`
+says which rows changed since the revision an engine last saw and, for an append, which
+rows of which step output they came from, so the engine moves those rows on the device
+and uploads nothing else. Code that writes the buffers other than through
+:meth:`KVCache.append` must call :meth:`KVCache.rewrote` (setting :attr:`length` by hand
+counts as such a write).
 """
 
 from __future__ import annotations
+
+import collections
+import weakref
 
 import numpy as np
 
 from .errors import GenerationError
 from .specs import KV_LAYOUTS, ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
+
+
+#: Writes a cache remembers for :meth:`KVCache.writes_since` (an engine that saw the cache
+#: more writes ago than this re-reads all of it).
+WRITE_LOG = 8
+
+
+#: id(first key buffer) -> the cache that owns it (see :func:`owner_of`).
+_OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictionary()
+
+
+def owner_of(feed) -> KVCache | None:
+    """The :class:`KVCache` whose layer-0 key buffer ``feed`` is or is a view of (a
+    ``past_key_values.0.key`` feed from :meth:`KVCache.feeds`), else None."""
+    base = feed if getattr(feed, "base", None) is None else feed.base
+    cache = _OWNERS.get(id(base))
+    return cache if cache is not None and cache.keys[0] is base else None
 
 
 class KVCache:
@@ -53,7 +82,10 @@ class KVCache:
         self.dims = dims
         self.capacity = capacity
         self.layout = layout
-        self.length = 0
+        self._length = 0
+        self.revision = 0
+        #: (revision, first row written, source output or None, rows of the source, rows written)
+        self._writes: collections.deque = collections.deque(maxlen=WRITE_LOG)
         if layout == "sequence-major":
             shape = (1, capacity, dims.kv_heads, dims.head_dim)
         else:
@@ -61,6 +93,40 @@ class KVCache:
         self.keys = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
         self.values = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
         self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
+        _OWNERS[id(self.keys[0])] = self
+
+    @property
+    def length(self) -> int:
+        """Tokens held (the filled prefix of the buffers)."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        # Set by hand, the length follows writes made outside append (a pool moving its
+        # columns, a copy into new buffers): rows from the old length on when it grows,
+        # any row when it shrinks.
+        value = int(value)
+        if value != self._length:
+            self.rewrote(self._length if value > self._length else 0)
+            self._length = value
+
+    def rewrote(self, start: int) -> None:
+        """Record that rows from ``start`` on were written other than by :meth:`append`."""
+        self.revision += 1
+        self._writes.append((self.revision, int(start), None, None, None))
+
+    def writes_since(self, revision: int) -> list | None:
+        """The writes after ``revision``, oldest first: ``(revision, first row, source,
+        rows, count)``. For an append of a ``sequence-major`` cache ``source`` is the
+        ``present.0.key`` output it copied from, ``rows`` the step rows it kept (None:
+        the first ``count``) and ``count`` the rows written; for any other write
+        ``source`` is None and the rows from ``first row`` on may have changed. None when
+        the log no longer reaches back to ``revision`` (every row may have changed)."""
+        if revision == self.revision:
+            return []
+        if revision > self.revision or not self._writes or self._writes[0][0] > revision + 1:
+            return None
+        return [w for w in self._writes if w[0] > revision]
 
     @property
     def nbytes(self) -> int:
@@ -98,15 +164,18 @@ class KVCache:
             count = step if rows is None else len(rows)
         else:
             count = outputs[present_key_name(0)].shape[1] if rows is None else len(rows)
-        if self.length + count > self.capacity:
-            raise GenerationError(f"KV cache full: {self.length} + {count} tokens exceed capacity {self.capacity}")
-        start, end = self.length, self.length + count
+        if self._length + count > self.capacity:
+            raise GenerationError(f"KV cache full: {self._length} + {count} tokens exceed capacity {self.capacity}")
+        start, end = self._length, self._length + count
+        self.revision += 1
+        source = outputs.get(present_key_name(0)) if self.layout == "sequence-major" else None
+        self._writes.append((self.revision, start, source, None if rows is None else np.asarray(rows), count))
         if self.layout == "head-major-shared":
             if rows is not None and not np.array_equal(rows, np.arange(count)):
                 source = start + np.asarray(rows)
                 for buffer in (*self.keys, *self.values):
                     buffer[:, :, start:end] = buffer[:, :, source]  # rows[j] ≥ j: reads before writes
-            self.length = end
+            self._length = end
             return
         for i in range(self.dims.num_layers):
             k = outputs[present_key_name(i)]
@@ -115,4 +184,4 @@ class KVCache:
                 k, v = k[:, rows], v[:, rows]
             self.keys[i][:, start:end] = k
             self.values[i][:, start:end] = v
-        self.length = end
+        self._length = end

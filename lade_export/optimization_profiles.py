@@ -2,18 +2,29 @@
 
 TensorRT needs, for every dynamic input, a (min, opt, max) shape per optimization
 profile (TensorRT developer guide, "Working with Dynamic Shapes"). One engine serves a
-lookahead profile (W, N, G) with two optimization profiles:
+lookahead profile (W, N, G) with three optimization profiles:
 
 * ``prefill`` — the prompt in one pass: step 1..max_prompt (opt max_prompt), past 0
   (the runtime prefills an empty cache), logits for 1..max_prompt rows (opt 1: the
   runtime reads none during prefill but the graph needs one row);
 * ``decode`` — greedy and lookahead steps: step 1..S with S = 1 + (W + G)·(N − 1)
   (opt S), past 0..max_context − 1 (opt max_context / 2), logits rows
-  1..1 + W + G·(N − 1) (opt that maximum).
+  1..1 + W + G·(N − 1) (opt that maximum);
+* ``packed`` — the continuous-batching scheduler's passes (:mod:`lade_export.packed`):
+  batch 1, step 1..R rows of several requests (R = ``packed_rows``, default the largest
+  of the scheduler's token budget, its prefill chunk and S; opt the token budget), past
+  0..T − 1 columns of the shared token pool (T = ``packed_tokens``, default the
+  scheduler's pool, ``MAX_BATCH × max_context``; opt min((T − 1) / 2, 2 × max_context):
+  four requests at half the context),
+  logits for 1..R rows (opt the token budget). Engines built before this profile existed
+  have only the first two and decode unbatched.
 
 The key length ``past+step`` of the mask follows from the two. Batch is
-1..max_batch with opt 1 (the runtime decodes one sequence). Shapes are derived from the
-single tensor declaration in :mod:`lade_export.specs`.
+1..max_batch with opt 1 in the first two (the runtime decodes one sequence). Shapes are
+derived from the single tensor declaration in :mod:`lade_export.specs`. TensorRT sizes an
+execution context's activation memory for the largest shapes of its profile, so the
+packed profile's bounds (attention scores of R rows over T + R keys per layer) are what
+batching costs in device memory; give smaller ``packed_rows``/``packed_tokens`` to spend less.
 """
 
 from __future__ import annotations
@@ -38,22 +49,38 @@ class AxisRange:
             raise ProfileError(f"invalid axis range min={self.min} opt={self.opt} max={self.max}")
 
 
-def axis_ranges(profile: LookaheadProfile, max_batch: int, max_prompt: int, max_context: int) -> dict:
-    """Symbol ranges for the ``prefill`` and ``decode`` optimization profiles.
+def packed_defaults(profile: LookaheadProfile, max_context: int) -> tuple[int, int, int]:
+    """``(rows, tokens, opt rows)`` of the ``packed`` optimization profile for the
+    scheduler's defaults (:data:`lade_export.scheduler.TOKEN_BUDGET`, ``PREFILL_CHUNK``,
+    ``MAX_BATCH``): rows = max(token budget, prefill chunk, the profile's largest step),
+    tokens = ``MAX_BATCH × max_context`` (the scheduler's default pool), opt rows = the
+    token budget."""
+    from .scheduler import MAX_BATCH, PREFILL_CHUNK, TOKEN_BUDGET
+
+    return max(TOKEN_BUDGET, PREFILL_CHUNK, profile.max_step), MAX_BATCH * max_context, TOKEN_BUDGET
+
+
+def axis_ranges(profile: LookaheadProfile, max_batch: int, max_prompt: int, max_context: int,
+                packed_rows: int | None = None, packed_tokens: int | None = None) -> dict:
+    """Symbol ranges for the ``prefill``, ``decode`` and ``packed`` optimization profiles.
 
     Args:
         profile: the lookahead profile (W, N, G).
         max_batch: largest batch (≥ 1).
         max_prompt: longest prompt prefilled in one pass, tokens (≥ 1, < max_context).
         max_context: the model's context, tokens.
+        packed_rows: most rows of a packed pass (≥ the profile's largest step); None: see
+            :func:`packed_defaults`.
+        packed_tokens: most columns of the scheduler's token pool (≥ 1); None: see
+            :func:`packed_defaults`.
 
     Returns:
-        ``{"prefill": {symbol: AxisRange}, "decode": {symbol: AxisRange}}`` for the symbols
-        batch, step, past, past+step, n_logits.
+        ``{"prefill": {symbol: AxisRange}, "decode": {...}, "packed": {...}}`` for the
+        symbols batch, step, past, past+step, n_logits.
 
     Raises:
         ProfileError: a bound is out of range, or the profile's largest step does not fit
-            the context.
+            the context or the packed rows.
     """
     if max_batch < 1:
         raise ProfileError(f"max batch must be ≥ 1, got {max_batch}")
@@ -83,11 +110,29 @@ def axis_ranges(profile: LookaheadProfile, max_batch: int, max_prompt: int, max_
         "past+step": AxisRange(1, past_opt + s, past_max + s),
         "n_logits": AxisRange(1, rows, rows),
     }
-    return {"prefill": prefill, "decode": decode}
+    default_rows, default_tokens, opt_rows = packed_defaults(profile, max_context)
+    packed_rows = default_rows if packed_rows is None else packed_rows
+    packed_tokens = default_tokens if packed_tokens is None else packed_tokens
+    if packed_rows < s:
+        raise ProfileError(f"packed rows must be ≥ the profile's largest step ({s} tokens; a step wider than the "
+                           f"token budget runs alone), got {packed_rows}")
+    if packed_tokens < 1:
+        raise ProfileError(f"packed tokens must be ≥ 1, got {packed_tokens}")
+    opt_rows = min(opt_rows, packed_rows)
+    pool_opt = min((packed_tokens - 1) // 2, 2 * max_context)
+    packed = {
+        "batch": AxisRange(1, 1, 1),
+        "step": AxisRange(1, opt_rows, packed_rows),
+        "past": AxisRange(0, pool_opt, packed_tokens - 1),
+        "past+step": AxisRange(1, pool_opt + opt_rows, packed_tokens - 1 + packed_rows),
+        "n_logits": AxisRange(1, opt_rows, packed_rows),
+    }
+    return {"prefill": prefill, "decode": decode, "packed": packed}
 
 
 def optimization_profiles(profile: LookaheadProfile, dims, max_batch: int = 1, max_prompt: int | None = None,
-                          max_context: int | None = None) -> dict:
+                          max_context: int | None = None, packed_rows: int | None = None,
+                          packed_tokens: int | None = None) -> dict:
     """Per-input (min, opt, max) shapes for every dynamic graph input.
 
     Args:
@@ -96,15 +141,16 @@ def optimization_profiles(profile: LookaheadProfile, dims, max_batch: int = 1, m
         max_batch: largest batch.
         max_prompt: longest prompt (default: half the context).
         max_context: context bound (default: the model's).
+        packed_rows, packed_tokens: bounds of the packed profile (see :func:`axis_ranges`).
 
     Returns:
-        ``{"prefill": {input: {"min": [...], "opt": [...], "max": [...]}}, "decode": {...}}``
-        covering ``input_ids``, ``position_ids``, ``attention_mask``, ``logits_positions``
-        and every ``past_key_values.*`` input, in graph order.
+        ``{"prefill": {input: {"min": [...], "opt": [...], "max": [...]}}, "decode": {...},
+        "packed": {...}}`` covering ``input_ids``, ``position_ids``, ``attention_mask``,
+        ``logits_positions`` and every ``past_key_values.*`` input, in graph order.
     """
     max_context = max_context or dims.max_context
     max_prompt = max_prompt or max_context // 2
-    ranges = axis_ranges(profile, max_batch, max_prompt, max_context)
+    ranges = axis_ranges(profile, max_batch, max_prompt, max_context, packed_rows, packed_tokens)
     inputs, _ = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
     result = {}
     for phase, axes in ranges.items():
@@ -120,9 +166,11 @@ def optimization_profiles(profile: LookaheadProfile, dims, max_batch: int = 1, m
 
 def engine_plans(profiles, dims, precision: str = "fp16", max_batch: int = 1, max_prompt: int | None = None,
                  max_context: int | None = None, version_compatible: bool = False,
-                 hardware_compatible: bool = False) -> list[dict]:
+                 hardware_compatible: bool = False, packed_rows: int | None = None,
+                 packed_tokens: int | None = None) -> list[dict]:
     """What ``build --engine tensorrt`` builds: one entry per lookahead profile with its
-    engine file (``engines/NAME.plan``), precision, flags and optimization profiles.
+    engine file (``engines/NAME.plan``), precision, flags and optimization profiles
+    (prefill, decode, packed; ``packed_rows``/``packed_tokens`` as in :func:`axis_ranges`).
 
     Raises:
         ProfileError: two profiles share a name, or a bound is invalid (see :func:`axis_ranges`).
@@ -142,7 +190,8 @@ def engine_plans(profiles, dims, precision: str = "fp16", max_batch: int = 1, ma
             "max_context": max_context or dims.max_context,
             "version_compatible": version_compatible,
             "hardware_compatible": hardware_compatible,
-            "optimization_profiles": optimization_profiles(p, dims, max_batch, max_prompt, max_context),
+            "optimization_profiles": optimization_profiles(p, dims, max_batch, max_prompt, max_context, packed_rows,
+                                                           packed_tokens),
         })
     return plans
 

@@ -252,6 +252,7 @@ class TokenPool:
             if start != end and filled:
                 for buffer in (*self.cache.keys, *self.cache.values):
                     buffer[:, end:end + filled] = buffer[:, start:start + filled]  # end < start: reads before writes
+                self.cache.rewrote(end)  # for engines that keep a copy of the pool on a device
             r[0] = end
             end += size
         self._reshape()
@@ -298,6 +299,7 @@ class TokenPool:
                 for i in range(self.dims.num_layers):
                     self.cache.keys[i][:, at:at + len(rows)] = outputs[present_key_name(i)][:, rows]
                     self.cache.values[i][:, at:at + len(rows)] = outputs[present_value_name(i)][:, rows]
+                self.cache.rewrote(at)  # for engines that keep a copy of the pool on a device
                 r[2] += len(rows)
             self._reshape()
             return

@@ -16,6 +16,8 @@ from lade_export.runtime import collect
 from lade_export.sampling import SamplingParams
 from lade_export.scheduler import Scheduler
 
+from .test_tensorrt_double import V10, art10  # noqa: F401 - a session fixture: stories260K's TensorRT engines (double)
+
 # (prompt case, profile, sampling, stop strings, max_new_tokens): eight requests that differ in every rule.
 REQUESTS = [
     (0, None, None, (), 96),
@@ -282,12 +284,56 @@ def test_a_batched_stream_cancels_and_closes_like_an_unbatched_one(models, refer
     assert batched.scheduler.active_requests == 0 and batched.scheduler.pool.used == 0
 
 
-def test_batching_with_tensorrt_is_refused_in_one_line(stories_artifact):
+# Requests TensorRT engines small (steps ≤ 9) and wide (≤ 31) of art10 cover.
+TENSORRT_REQUESTS = [REQUESTS[0], (1, "wide", None, (), 128), REQUESTS[2], REQUESTS[4], REQUESTS[5], REQUESTS[6]]
+
+
+def test_packed_passes_on_tensorrt_engines_equal_solo_runs(art10, reference_greedy, monkeypatch):
+    """TensorRT (the test double, which runs the engine's ONNX graph): the scheduler's
+    packed passes run in the engines' packed optimization profile over the pool kept on the
+    device, and every request decodes what it decodes alone on the same engines."""
     import lade_export
 
-    with pytest.raises(GenerationError, match=r"^batching=True needs the ort or torch backend: TensorRT engines' "
-                                              r"optimization profiles do not cover packed passes yet$"):
-        lade_export.load(stories_artifact, backend="tensorrt", batching=True)
+    from .trt_double import install
+
+    state = install(monkeypatch, version=V10)
+    with lade_export.load(art10[0], "tensorrt") as alone:
+        solo = [_solo(alone.decoder, reference_greedy, spec) for spec in TENSORRT_REQUESTS]
+    with lade_export.load(art10[0], "tensorrt", batching=True) as model:
+        scheduler = model.scheduler
+        before = len(state.executions)
+        got = _run_concurrently(scheduler, reference_greedy, TENSORRT_REQUESTS)
+    for spec, g, want in zip(TENSORRT_REQUESTS, got, solo):  # steps may differ: the width policy narrows under load
+        assert (g.token_ids, g.text, g.stop_reason) == (want.token_ids, want.text, want.stop_reason), spec
+    packed = [e for e in state.executions[before:] if e["profile"] == 2]
+    assert max(n for n, _ in scheduler.pass_shapes) >= 4 and packed and max(e["step"] for e in packed) > 31
+    assert state.gpu.bytes_on_device > 0  # accepted rows moved into the pool on the device
+
+
+def test_batching_with_tensorrt_engines_built_before_the_packed_profile_is_refused_in_one_line(art10, tmp_path,
+                                                                                             monkeypatch):
+    import json
+    import shutil
+
+    import lade_export
+
+    from .trt_double import install
+
+    out = tmp_path / "old"
+    shutil.copytree(art10[0], out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["engines"]:
+        del entry["optimization_profiles"]["packed"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    install(monkeypatch, version=V10)
+    import sys  # the plans as TensorRT would have built them then: two optimization profiles
+    monkeypatch.setattr(sys.modules["tensorrt"].ICudaEngine, "num_optimization_profiles", property(lambda self: 2))
+    with pytest.raises(GenerationError, match=r"^batching=True needs TensorRT engines with a packed optimization "
+                                              r"profile; these were built before batching existed: rebuild with "
+                                              r"--engine tensorrt$"):
+        lade_export.load(out, backend="tensorrt", batching=True, verify="none")
+    with lade_export.load(out, backend="tensorrt", verify="none") as model:  # unbatched, they decode as before
+        assert model.generate([1, 403, 407], max_new_tokens=4).token_ids
 
 
 def _serve_plan(scheduler, reference_greedy, specs, plan, clients, gaps=None) -> list:

@@ -298,19 +298,24 @@ def test_each_step_runs_in_the_optimization_profile_that_covers_it(art10, monkey
     prefill = {**causal_feeds(list(range(3, 40)), 0), **empty_past_feeds(dims)}
     assert engine.optimization_profile_for(prefill) == "small:prefill"
     assert engine.optimization_profile_for(step(9, 100, 7)) == "small:decode"
-    assert engine.optimization_profile_for(step(9, 100, 8)) is None  # 8 logit rows: more than W + G·(N−1) + 1
-    assert engine.optimization_profile_for(step(10, 100, 7)) is None
+    # 8 logit rows (more than W + G·(N−1) + 1) or 10 tokens: beyond decode, a packed pass of the scheduler
+    assert engine.optimization_profile_for(step(9, 100, 8)) == "small:packed"
+    assert engine.optimization_profile_for(step(10, 100, 7)) == "small:packed"
+    assert engine.optimization_profile_for(step(512, 4095, 512)) == "small:packed"  # 8 requests' pool × 512
+    assert engine.optimization_profile_for(step(513, 100, 7)) is None  # more rows than the prefill chunk
+    assert engine.optimization_profile_for(step(9, 4096, 7)) is None
     assert engine.optimization_profile_for(step(1, 0, 1)) == "small:prefill"
     engine.run(prefill)
     engine.run(step(9, 100, 7))
-    assert [(e["profile"], e["step"], e["past"]) for e in state.executions] == [(0, 37, 0), (1, 9, 100)]
+    engine.run(step(12, 700, 12))
+    assert [(e["profile"], e["step"], e["past"]) for e in state.executions] == [(0, 37, 0), (1, 9, 100), (2, 12, 700)]
     ctx_calls = [c for p in engine.plans for ctx in p.contexts.values() for c in ctx.calls]
-    assert ("set_optimization_profile_async", 0) in ctx_calls and ("set_optimization_profile_async", 1) in ctx_calls
-    with pytest.raises(GenerationError, match=r"^no TensorRT engine covers a step of 10 tokens \(batch 1\) with 100 "
+    assert {("set_optimization_profile_async", i) for i in range(3)} <= set(ctx_calls)
+    with pytest.raises(GenerationError, match=r"^no TensorRT engine covers a step of 10 tokens \(batch 1\) with 4096 "
                                               r"cached tokens and 7 logit rows: small \(prefill ≤ 256 tokens; decode "
-                                              r"steps ≤ 9 tokens, ≤ 7 logit rows, cache ≤ 511\); rebuild with larger "
-                                              r"--max-prompt/--max-context/--max-batch$"):
-        engine.run(step(10, 100, 7))
+                                              r"steps ≤ 9 tokens, ≤ 7 logit rows, cache ≤ 511; packed passes ≤ 512 rows, "
+                                              r"pool ≤ 4095\); rebuild with larger --max-prompt/--max-context/--max-batch$"):
+        engine.run(step(10, 4096, 7))
     engine.close()
     engine.close()
 
@@ -493,8 +498,8 @@ def test_tensorrt_refusals_at_run_time_are_engine_errors_naming_the_call(art10, 
     ("profile", EngineError, r"^TensorRT cannot select optimization profile 1 \(decode\) of engines/small.plan$"),
     ("bf16", ArtifactError, r"^engines/small.plan: I/O tensor logits is DataType.BF16; the runtime exchanges float32, "
                             r"int64 and bool tensors \(rebuild the engine\)$"),
-    ("profiles", ArtifactError, r"^engines/small.plan has 3 optimization profiles; the manifest lists 2 \(prefill, "
-                                r"decode\)$"),
+    ("profiles", ArtifactError, r"^engines/small.plan has 4 optimization profiles; the manifest lists 3 \(prefill, "
+                                r"decode, packed\)$"),
     ("corrupt", ArtifactError, r"^TensorRT 10.16.1.11 \(full runtime\) cannot deserialize engines/small.plan; see the "
                                r"TensorRT log above$"),
     ("malloc", EngineError, r"^CUDA cudaMalloc of [\d,]+ bytes failed: cudaErrorMemoryAllocation$"),
@@ -527,7 +532,7 @@ def test_each_refusal_of_the_tensorrt_api_is_one_clear_error(art10, tmp_path, mo
         monkeypatch.setattr(eng_cls, "get_tensor_dtype",
                             lambda self, name: trt.bfloat16 if name == "logits" else real_dtype(self, name))
     elif break_it == "profiles":
-        monkeypatch.setattr(eng_cls, "num_optimization_profiles", property(lambda self: 3))
+        monkeypatch.setattr(eng_cls, "num_optimization_profiles", property(lambda self: 4))
     elif break_it == "malloc":
         state.gpu.memory_limit = 100
     with pytest.raises(error, match=message):
@@ -584,13 +589,14 @@ def test_check_runs_every_engine_on_the_feeds_its_profiles_cover(art10, monkeypa
     result = invoke("check", out)
     assert result.exit_code == 0, result.output
     assert "check passed" in result.stdout
-    assert "note: tensorrt:small: no optimization profile covers lookahead W5 N4 G5; not run there" in result.stdout
+    # small's packed profile (the scheduler's passes, up to 512 rows) covers the wide step its decode profile does not
+    assert "no optimization profile covers" not in result.stdout
     for name in ("tensorrt:small", "tensorrt:wide"):
         assert f"{name}" in result.stdout
-    # prefill feeds in the prefill profile, every step with a cache in the decode profile
+    # prefill feeds in the prefill profile, every step with a cache in the decode profile, else the packed one
     assert state.executions and all((e["past"] == 0) == (e["profile"] == 0) for e in state.executions)
-    assert sorted((e["decode_max_step"], e["step"]) for e in state.executions if e["profile"] == 1) == \
-        sorted([(9, 1), (9, 9), (31, 1), (31, 9), (31, 31)])
+    assert sorted((e["decode_max_step"], e["profile"], e["step"]) for e in state.executions if e["profile"]) == \
+        sorted([(9, 1, 1), (9, 1, 9), (9, 2, 31), (31, 1, 1), (31, 1, 9), (31, 1, 31)])
 
 
 def test_check_bounds_reduced_precision_engines_relatively(art11, monkeypatch):
@@ -775,3 +781,97 @@ def test_documented_tensorrt_rows_name_their_tests():
     assert set(rows) == set(DOCUMENTED_ROWS)
     for row, test in DOCUMENTED_ROWS.items():
         assert f"({test})" in rows[row] and callable(globals()[test]), row
+
+
+# -- the KV cache stays on the device ----------------------------------------------------
+
+def test_a_step_uploads_only_its_tokens_positions_mask_and_logit_rows(art10, reference_greedy, monkeypatch):
+    """Host→device bytes of every step, counted by the double: input_ids and position_ids
+    (8 bytes a token each), logits_positions (8 a row) and the bool mask (step × keys) —
+    nothing of the cache, however long it is; the accepted rows' keys and values are moved
+    into the device copy of the cache from the step's present buffers on the device."""
+    import lade_export
+
+    state = install(monkeypatch, version=V10)
+    with lade_export.load(art10[0], "tensorrt") as model:
+        model.decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
+        case = reference_greedy["cases"][0]
+        cached = 0
+        for profile in ("wide", None):
+            result = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile,
+                                    lookahead=profile is not None)
+            assert result.token_ids == case["greedy_ids"], profile
+            cached += result.stats.cache_tokens
+    steps = [e for e in state.executions if e["past"] > 0]
+    assert len(steps) > 100 and max(e["past"] for e in steps) > 128
+    assert any(e["step"] == 31 for e in steps)  # lookahead steps of the wide engine
+    for e in state.executions:
+        assert e["bytes_to_device"] - e["mask_bytes"] == 16 * e["step"] + 8 * e["n_logits"], e
+    dims = model.engine.dims
+    row = dims.num_layers * 2 * dims.kv_heads * dims.head_dim * 4  # one token's keys and values, all layers
+    assert state.gpu.bytes_on_device == row * cached  # every cached row moved once, on the device
+
+
+def test_the_device_copy_follows_writes_the_engine_did_not_make():
+    """KVMirror on host memory: rows an append copied from the latest step are copied
+    "on the device", rows of any other write are uploaded, and the copy equals the host
+    cache after each kind of write."""
+    from lade_export.backends.cuda import HostMemory, KVMirror
+    from lade_export.kv_cache import KVCache
+    from lade_export.specs import ModelDims, past_key_name, present_key_name, present_value_name
+
+    dims = ModelDims(num_layers=2, heads=2, kv_heads=2, head_dim=4, hidden=8, vocab=16, max_context=64,
+                     tied_embeddings=False)
+    rng = np.random.default_rng(0)
+    memory, cache = HostMemory(), KVCache(dims, 40)
+    names = list(cache.feeds())
+    mirror = KVMirror(memory, cache, names)
+    row = 2 * 4 * 4
+
+    def device():
+        out = {}
+        for name in names:
+            host = np.empty((1, cache.length, 2, 4), np.float32)
+            memory.download(host, mirror.buffer, mirror.offsets[name])
+            out[name] = host
+        return out
+
+    def step(width):
+        outs = {n(i): rng.standard_normal((1, width, 2, 4)).astype(np.float32) for i in range(2)
+                for n in (present_key_name, present_value_name)}
+        device_buffers = {}
+        for name, value in outs.items():
+            buf = memory.allocate(value.nbytes)
+            memory.upload(buf, value)
+            device_buffers["past_key_values." + name[len("present."):]] = (buf, 0)
+        return outs, (outs[present_key_name(0)], device_buffers)
+
+    def sync(latest):
+        """(bytes uploaded, bytes copied on the device) by one sync."""
+        up, copied = memory.bytes_uploaded, memory.bytes_copied
+        mirror.sync(cache, cache.feeds(), latest)
+        return memory.bytes_uploaded - up, memory.bytes_copied - copied
+
+    outs, latest = step(5)
+    cache.append(outs)  # a prefill: every row kept
+    assert sync(latest) == (0, 4 * 5 * row)
+    outs, latest = step(7)
+    cache.append(outs, np.array([0, 3, 4, 6]))  # lookahead: four accepted rows of seven
+    assert sync(latest) == (0, 4 * 4 * row)
+    for name, value in device().items():
+        np.testing.assert_array_equal(value, cache.feeds()[name])
+    outs, _ = step(3)
+    cache.append(outs)  # an append of outputs that are not the engine's latest: uploaded
+    assert sync(latest) == (4 * 3 * row, 0)
+    assert sync(latest) == (0, 0)  # nothing written since
+    cache.keys[0][:, 2:4] = 7.0  # a pool moving columns: a write outside append
+    cache.length = 10
+    assert sync(latest) == (4 * 10 * row, 0)
+    for name, value in device().items():
+        np.testing.assert_array_equal(value, cache.feeds()[name])
+    assert device()[past_key_name(0)][0, 2, 0, 0] == 7.0
+    cache.rewrote(6)  # a write a pool declares (regions): rows from 6 on
+    assert sync(latest) == (4 * 4 * row, 0)
+    for _ in range(9):  # more writes than the log keeps: the whole cache again
+        cache.rewrote(9)
+    assert sync(latest) == (4 * 10 * row, 0)

@@ -58,6 +58,8 @@ class FakeGpu:
         self.freed = 0
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        self.bytes_on_device = 0  # device-to-device copies
+        self._mark = 0  # bytes_to_device at the end of the latest execution
 
     def malloc(self, nbytes: int) -> int:
         arr = np.zeros(max(nbytes, 1), np.uint8)
@@ -66,11 +68,18 @@ class FakeGpu:
         return ptr
 
     def region(self, ptr: int, nbytes: int) -> np.ndarray | None:
-        """The first ``nbytes`` of the allocation at ``ptr`` (None: not an allocation or too small)."""
-        arr = self.memory.get(ptr)
-        if arr is None or nbytes > arr.nbytes:
-            return None
-        return arr[:nbytes]
+        """``nbytes`` of device memory from address ``ptr``, which may lie inside an
+        allocation as CUDA allows (None: not device memory, or past its allocation's end)."""
+        for base, arr in self.memory.items():
+            if base <= ptr < base + arr.nbytes or (ptr == base and not nbytes):
+                if ptr - base + nbytes > arr.nbytes:
+                    return None
+                return arr[ptr - base:ptr - base + nbytes]
+        return None
+
+    def uploaded_since_last_execution(self) -> int:
+        """Host→device bytes copied since the previous execution ended (what a step moves)."""
+        return self.bytes_to_device - self._mark
 
 
 class cudaError_t(enum.IntEnum):  # noqa: N801 - the real name
@@ -168,16 +177,24 @@ def make_cudart(gpu: FakeGpu) -> types.ModuleType:
     def cudaMemcpyAsync(dst, src, count, kind, stream):
         if not _stream_ok(stream):
             return (cudaError_t.cudaErrorInvalidResourceHandle,)
+        if kind == cudaMemcpyKind.cudaMemcpyDeviceToDevice:
+            if gpu.region(dst, count) is None or gpu.region(src, count) is None:
+                return (cudaError_t.cudaErrorInvalidValue,)
+            gpu.bytes_on_device += count
+            ctypes.memmove(dst, src, count)
+            return (ok,)
         if kind == cudaMemcpyKind.cudaMemcpyHostToDevice:
             device, host = dst, src
-            gpu.bytes_to_device += count
         elif kind == cudaMemcpyKind.cudaMemcpyDeviceToHost:
             device, host = src, dst
-            gpu.bytes_to_host += count
         else:
             return (cudaError_t.cudaErrorInvalidValue,)
-        if gpu.region(device, count) is None or host in gpu.memory:
+        if gpu.region(device, count) is None or gpu.region(host, 0) is not None:
             return (cudaError_t.cudaErrorInvalidValue,)
+        if kind == cudaMemcpyKind.cudaMemcpyHostToDevice:
+            gpu.bytes_to_device += count
+        else:
+            gpu.bytes_to_host += count
         ctypes.memmove(dst, src, count)
         return (ok,)
 
@@ -586,9 +603,13 @@ def _add_runtime(m, state: TrtState, kind: str) -> None:
                     return f"illegal memory access: {name} needs {nbytes} bytes of device memory at its address"
                 if name in eng.input_names:
                     feeds[name] = region.view(dtype).reshape(shape).copy()
-            state.executions.append({"decode_max_step": eng.meta["profiles"][-1]["input_ids"][2][1],
+            state.executions.append({"decode_max_step": eng.meta["profiles"][1]["input_ids"][2][1],
                                      "profile": self._profile, "step": feeds["input_ids"].shape[1],
-                                     "past": feeds["past_key_values.0.key"].shape[1]})
+                                     "past": feeds["past_key_values.0.key"].shape[1],
+                                     "n_logits": feeds["logits_positions"].shape[1],
+                                     "mask_bytes": feeds["attention_mask"].nbytes,
+                                     "bytes_to_device": gpu.uploaded_since_last_execution()})
+            gpu._mark = gpu.bytes_to_device
             if getattr(state, "fail_execute", False):
                 return "injected failure"
             try:
@@ -629,7 +650,7 @@ def _add_runtime(m, state: TrtState, kind: str) -> None:
             if fail:
                 state.error(f"IRuntime::deserializeCudaEngine: {fail}")
                 return None
-            state.deserialized.append({"runtime": kind, "decode_max_step": meta["profiles"][-1]["input_ids"][2][1]})
+            state.deserialized.append({"runtime": kind, "decode_max_step": meta["profiles"][1]["input_ids"][2][1]})
             return ICudaEngine(meta, body)
 
         def _refuse(self, meta):

@@ -228,9 +228,10 @@ def build_engine(onnx_path: str | Path, opt_profiles: dict, precision: str = "fp
     Args:
         onnx_path: the (sanitized) ONNX step graph, in the dtype of the precision plan
             (:func:`precision_plan`'s ``graph_dtype`` for the installed TensorRT).
-        opt_profiles: ``{"prefill": {input: {"min","opt","max"}}, "decode": {...}}`` from
+        opt_profiles: ``{"prefill": {input: {"min","opt","max"}}, "decode": {...},
+            "packed": {...}}`` from
             :func:`lade_export.optimization_profiles.optimization_profiles`; added in that
-            order, so optimization profile 0 is prefill and 1 is decode.
+            order, so optimization profile 0 is prefill, 1 decode and 2 packed (when given).
         precision: ``fp32``, ``fp16`` or ``bf16``.
         timing_cache: path read before and written after the build (shared across builds).
         version_compatible: ``BuilderFlag.VERSION_COMPATIBLE`` (later TensorRT and the lean
@@ -279,7 +280,7 @@ def build_engine(onnx_path: str | Path, opt_profiles: dict, precision: str = "fp
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
     if hardware_compatible:
         config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
-    for phase in ("prefill", "decode"):
+    for phase in opt_profiles:
         profile = builder.create_optimization_profile()
         for name, shape in opt_profiles[phase].items():
             profile.set_shape(name, shape["min"], shape["opt"], shape["max"])
@@ -354,8 +355,11 @@ class _Plan:
         return True
 
     def limits(self) -> str:
+        packed = self.shapes.get("packed")
+        rows = f"; packed passes ≤ {packed['input_ids']['max'][1]} rows, pool ≤ " \
+               f"{packed['past_key_values.0.key']['max'][1]}" if packed else ""
         return (f"{self.name} (prefill ≤ {self.max_prompt} tokens; decode steps ≤ {self.decode_step} tokens, "
-                f"≤ {self.decode_rows} logit rows, cache ≤ {self.max_past})")
+                f"≤ {self.decode_rows} logit rows, cache ≤ {self.max_past}{rows})")
 
 
 class TensorRTEngine:
@@ -363,7 +367,8 @@ class TensorRTEngine:
 
     Every step goes to the engine and optimization profile that cover its shapes: an
     empty cache tries the prefill profile (0) first, a step with a cache the decode
-    profile (1); among the engines, those already loaded come first, then the engine
+    profile (1), then the packed profile (2, the scheduler's passes, in engines built
+    with it: :mod:`lade_export.optimization_profiles`); among the engines, those already loaded come first, then the engine
     :meth:`check_profile` found for the latest request's profile (the one whose decode
     profile covers that profile's largest step with the fewest tokens to spare), then
     the smallest — so a request of profile X runs its lookahead steps on an engine that
@@ -426,6 +431,8 @@ class TensorRTEngine:
         self._runtime = None
         self._hint = None  # the engine of the latest checked profile: first choice among those not loaded
         self._buffers: dict[str, object] = {}
+        self._mirrors: dict[int, object] = {}  # id(KVCache) -> its KVMirror (device copy of the cache)
+        self._latest = None  # (present.0.key returned by the latest run, its present device buffers)
         self._lock = threading.Lock()
 
     def _check_entry(self, entry: dict, capability: str) -> None:
@@ -503,17 +510,48 @@ class TensorRTEngine:
 
         Order: loaded engines first, then the engine of the profile last passed to
         :meth:`check_profile`, then the smallest decode step; within an engine the
-        prefill profile first for an empty cache, else the decode profile.
+        prefill profile first for an empty cache, else the decode profile, then packed.
         """
         shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
         past = shapes.get("past_key_values.0.key", (0, 0, 0))[1]
         plans = sorted(self.plans, key=lambda p: (p.engine is None, p is not self._hint, p.decode_step))
+        preference = ("prefill", "decode", "packed") if past == 0 else ("decode", "packed", "prefill")
         for plan in plans:
-            order = range(len(plan.phases)) if past == 0 else reversed(range(len(plan.phases)))
+            order = sorted(range(len(plan.phases)),
+                           key=lambda i: preference.index(plan.phases[i]) if plan.phases[i] in preference else 9)
             for index in order:
                 if plan.covers(index, shapes):
                     return plan, index
         return None
+
+    @property
+    def packed_limits(self) -> tuple[int, int] | None:
+        """``(rows, pool tokens)`` the engines' packed optimization profiles cover (the
+        largest of them), None when no engine has one (built before batching existed)."""
+        limits = [(p.shapes["packed"]["input_ids"]["max"][1], p.shapes["packed"]["past_key_values.0.key"]["max"][1] + 1)
+                  for p in self.plans if "packed" in p.shapes]
+        return max(limits) if limits else None
+
+    def check_batching(self, token_budget: int, prefill_chunk: int, kv_tokens: int) -> None:
+        """Refuse continuous batching whose passes no engine's packed profile covers.
+
+        Args:
+            token_budget, prefill_chunk, kv_tokens: the scheduler's options
+                (:class:`lade_export.scheduler.Scheduler`).
+
+        Raises:
+            GenerationError: no engine has a packed profile (rebuild), or the options
+                exceed its rows or pool tokens.
+        """
+        limits = self.packed_limits
+        if limits is None:
+            raise GenerationError("batching=True needs TensorRT engines with a packed optimization profile; these were "
+                                  "built before batching existed: rebuild with --engine tensorrt")
+        rows, tokens = limits
+        if max(token_budget, prefill_chunk) > rows or kv_tokens > tokens:
+            raise GenerationError(f"the scheduler's passes (token budget {token_budget}, prefill chunk "
+                                  f"{prefill_chunk}, pool of {kv_tokens} tokens) exceed the TensorRT engines' packed "
+                                  f"profile ({rows} rows, {tokens} pool tokens); give smaller options or rebuild")
 
     def optimization_profile_for(self, feeds: dict) -> str | None:
         """``"ENGINE:PHASE"`` that :meth:`run` would use for ``feeds`` (None: not covered)."""
@@ -548,10 +586,45 @@ class TensorRTEngine:
             self._buffers[key] = buf
         return buf
 
+    def _mirror(self, plan: _Plan, feeds: dict):
+        """The device copy of the host cache behind ``feeds`` (created on first use), or
+        None when the feeds do not come from a :class:`~lade_export.kv_cache.KVCache` of
+        batch 1 the engine can mirror (then the cache is uploaded whole, as any input).
+        Copies of caches that no longer exist are freed here."""
+        from ..kv_cache import owner_of
+        from .cuda import KVMirror
+
+        for key in [k for k, m in self._mirrors.items() if m.cache() is None]:
+            self._mirrors.pop(key).close()
+        names = [n for n in plan.inputs if n.startswith("past_key_values.")]
+        cache = owner_of(feeds.get(names[0])) if names else None
+        if cache is None or cache.layout != "sequence-major" or np.shape(feeds[names[0]])[0] != 1:
+            return None, None
+        layer = {n: cache.keys[i] if n.endswith(".key") else cache.values[i]
+                 for n in names for i in [int(n.split(".")[1])]}
+        if any(getattr(feeds[n], "base", None) is not layer[n] or plan.dtypes[n] != np.float32 for n in names):
+            return None, None
+        mirror = self._mirrors.get(id(cache))
+        if mirror is None or mirror.cache() is not cache or mirror.names != names:
+            if mirror is not None:
+                mirror.close()
+            mirror = self._mirrors[id(cache)] = KVMirror(self.cuda, cache, names)
+        return cache, mirror
+
     def run(self, feeds: dict, with_logits: bool = False) -> dict:
         """One forward pass; same contract as the ONNX Runtime engine (numpy in, numpy out,
         ``logits`` only when ``with_logits`` — it is then the only output not copied back
         otherwise).
+
+        The KV cache stays on the GPU: when the ``past_key_values.*`` feeds are a
+        :class:`~lade_export.kv_cache.KVCache`'s (batch 1, as the decoding loop and the
+        scheduler's pool pass them), the engine binds a device copy of that cache
+        (:class:`~lade_export.backends.cuda.KVMirror`), kept in step by copying the rows
+        each append kept from this engine's ``present.*`` buffers on the device; a step
+        then uploads only ``input_ids``, ``position_ids``, ``attention_mask`` and
+        ``logits_positions`` (plus the rows of any write the engine did not produce).
+        Other feeds (a batch > 1, arrays of no cache) are uploaded whole. Outputs are
+        copied back as before (``present.*`` too: the host cache keeps the accepted rows).
 
         Raises:
             GenerationError: no engine's optimization profiles cover the step (a prompt
@@ -573,17 +646,25 @@ class TensorRTEngine:
             plan, index = chosen
             ctx = self._context(plan, index)
             where = f"{plan.entry['file']} (optimization profile {index}, {plan.phases[index]})"
+            cache, mirror = self._mirror(plan, feeds)
+            if mirror is not None:
+                mirror.sync(cache, feeds, self._latest)
             hold = []
             for name in plan.inputs:
-                array = np.ascontiguousarray(feeds[name], dtype=plan.dtypes[name])
+                on_device = mirror is not None and name in mirror.offsets
+                array = feeds[name] if on_device else np.ascontiguousarray(feeds[name], dtype=plan.dtypes[name])
                 if not ctx.set_input_shape(name, array.shape):
                     s = plan.shapes[plan.phases[index]][name]
                     raise EngineError(f"TensorRT rejected shape {list(array.shape)} of {name} in {where}; the profile "
                                       f"allows {s['min']} to {s['max']}")
-                buf = self._buffer(name, array.nbytes)
-                self.cuda.upload(buf, array)
-                hold.append(array)
-                if not ctx.set_tensor_address(name, buf.ptr):
+                if on_device:
+                    address = mirror.address(name)
+                else:
+                    buf = self._buffer(name, array.nbytes)
+                    self.cuda.upload(buf, array)
+                    hold.append(array)
+                    address = buf.ptr
+                if not ctx.set_tensor_address(name, address):
                     raise EngineError(f"TensorRT rejected the device address of {name} in {where}")
             outputs = {}
             for name in plan.outputs:
@@ -595,6 +676,7 @@ class TensorRTEngine:
                 if not ctx.set_tensor_address(name, buf.ptr):
                     raise EngineError(f"TensorRT rejected the device address of {name} in {where}")
                 outputs[name] = (host, buf)
+            self._latest = None  # the present buffers are about to be overwritten
             if not ctx.execute_async_v3(self.cuda.stream_handle):
                 self.cuda.synchronize()
                 raise EngineError(f"TensorRT failed to run {where} on a step of {np.shape(feeds['input_ids'])[1]} "
@@ -607,7 +689,13 @@ class TensorRTEngine:
                     result[name] = host
             self.cuda.synchronize()
             del hold
-        return {n: a.astype(np.float32) if a.dtype == np.float16 else a for n, a in result.items()}
+            result = {n: a.astype(np.float32) if a.dtype == np.float16 else a for n, a in result.items()}
+            source = result.get("present.0.key")
+            if source is not None and all(plan.dtypes.get(n) == np.float32 for n in outputs if n.startswith("present.")):
+                # What an append of these outputs copied is still in the present buffers until the next run.
+                self._latest = (source, {f"past_key_values.{n[len('present.'):]}": (buf, 0)
+                                         for n, (_, buf) in outputs.items() if n.startswith("present.")})
+        return result
 
     @property
     def loaded_engines(self) -> list[str]:
@@ -622,4 +710,6 @@ class TensorRTEngine:
                 plan.engine = None
             self._runtime = None
             self._buffers.clear()
+            self._mirrors.clear()
+            self._latest = None
             self.cuda.close()
