@@ -27,9 +27,15 @@ class OrtEngine:
         provider: ``"cpu"`` or ``"cuda"`` (CUDAExecutionProvider, when onnxruntime-gpu is installed).
         custom_ops: a custom-op library the graph needs (an artifact's ``graph.custom_ops``,
             :mod:`lade_export.kernels`), registered with the session; None for none.
+        device_kv: keep a ``sequence-major`` graph's KV cache in the provider's device
+            memory and run steps through I/O binding (:meth:`run`). None (default): on with
+            ``provider="cuda"`` when cuda-bindings sees the GPU (else off, as before), off
+            on the CPU; True on the CPU binds host memory through the same code (tests,
+            byte accounting: :attr:`device_memory` counts the bytes each way).
 
     ``run`` may be called from several threads at once (ONNX Runtime sessions allow
-    concurrent ``Run`` calls and release the GIL while running).
+    concurrent ``Run`` calls and release the GIL while running; steps on a device-resident
+    cache take turns, as they share the device's ``present.*`` buffers).
 
     Attributes:
         kv_layout: the graph's KV cache layout (:data:`lade_export.specs.KV_LAYOUTS`), read
@@ -38,6 +44,9 @@ class OrtEngine:
             (float32 C-contiguous [batch, kv_heads, capacity, head_dim]) and binds the
             matching ``present.*`` output to the same memory, so ONNX Runtime writes this
             step's keys and values into the caller's buffer and copies nothing else.
+        device_memory: where a device-resident cache lives (a
+            :class:`~lade_export.backends.cuda.CudaDevice`, or
+            :class:`~lade_export.backends.cuda.HostMemory` on the CPU), None when off.
 
     Raises:
         ArtifactError: the model file or the custom-op library is missing, or ORT cannot load them.
@@ -49,7 +58,7 @@ class OrtEngine:
     name = "ort"
 
     def __init__(self, onnx_path: str | Path, dims: ModelDims, threads: int | None = None, provider: str = "cpu",
-                 custom_ops: str | Path | None = None):
+                 custom_ops: str | Path | None = None, device_kv: bool | None = None):
         import onnxruntime as ort
 
         path = Path(onnx_path)
@@ -101,6 +110,23 @@ class OrtEngine:
         if self.kv_layout == "head-major-shared":
             self._shared = {past_key_name(i): present_key_name(i) for i in range(dims.num_layers)}
             self._shared.update({past_value_name(i): present_value_name(i) for i in range(dims.num_layers)})
+        self.device_memory = None
+        self._bind_device = "cpu"
+        if self.kv_layout == "sequence-major" and (device_kv or (device_kv is None and provider == "cuda")):
+            from .cuda import CudaDevice, HostMemory, cuda_unavailable_reason
+
+            if provider == "cuda":
+                if cuda_unavailable_reason() is None:
+                    self.device_memory, self._bind_device = CudaDevice(0), "cuda"
+                elif device_kv:
+                    raise BackendUnavailableError(f"device_kv needs cuda-bindings: {cuda_unavailable_reason()}")
+            else:
+                self.device_memory = HostMemory()
+        self._past_names = [n for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))]
+        self._mirrors = {}  # id(KVCache) -> KVMirror
+        self._latest = None  # (present.0.key of the latest device step, {past name: (its present buffer, 0)})
+        self._device_buffers = {}  # input/output name -> DeviceBuffer of the device steps
+        self._device_lock = threading.Lock()
 
     def check_profile(self, profile) -> None:
         """Refuse a lookahead profile whose widest step the graph cannot take.
@@ -123,6 +149,14 @@ class OrtEngine:
         """
         if self._shared:
             return self._run_shared(feeds, with_logits)
+        if self.device_memory is not None:
+            from ..kv_cache import owner_of
+
+            cache = owner_of(feeds.get(past_key_name(0)))
+            if cache is not None and cache.layout == "sequence-major" and np.shape(feeds["input_ids"])[0] == 1 \
+                    and all(getattr(feeds[n], "base", None) is (cache.keys if n.endswith(".key") else cache.values)[
+                        int(n.split(".")[1])] for n in self._past_names):
+                return self._run_device(feeds, with_logits, cache)
         names = self._all_outputs if with_logits else self._fast_outputs
         feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
         try:
@@ -174,6 +208,75 @@ class OrtEngine:
                 self._bindings.pop(next(iter(self._bindings)))
         return out
 
+    def _device_buffer(self, name: str, nbytes: int):
+        buf = self._device_buffers.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                self.device_memory.free(buf)
+            buf = self.device_memory.allocate(max(nbytes, 2 * buf.nbytes) if buf is not None else nbytes)
+            self._device_buffers[name] = buf
+        return buf
+
+    def _run_device(self, feeds: dict, with_logits: bool, cache) -> dict:
+        """``run`` with the cache in device memory (ONNX Runtime I/O binding,
+        ``bind_input``/``bind_output`` at device addresses): the cache's device copy
+        (:class:`~lade_export.backends.cuda.KVMirror`) is brought up to date — the rows
+        the latest append kept from this engine's own ``present.*`` outputs copied on the
+        device, other writes uploaded — then only ``input_ids``, ``position_ids``,
+        ``attention_mask`` and ``logits_positions`` are uploaded; the outputs
+        (``next_token_ids``, ``present.*``, ``logits`` when asked) are copied back."""
+        from .cuda import KVMirror
+
+        memory, device = self.device_memory, self._bind_device
+        with self._device_lock:
+            for key in [k for k, m in self._mirrors.items() if m.cache() is None]:
+                self._mirrors.pop(key).close()
+            mirror = self._mirrors.get(id(cache))
+            if mirror is None or mirror.cache() is not cache:
+                if mirror is not None:
+                    mirror.close()
+                mirror = self._mirrors[id(cache)] = KVMirror(memory, cache, self._past_names)
+            mirror.sync(cache, feeds, self._latest)
+            self._latest = None
+            binding = self.session.io_binding()
+            hold = []
+            for name in self._past_names:
+                binding.bind_input(name, device, 0, np.float32, feeds[name].shape, mirror.address(name))
+            for name, value in feeds.items():
+                if name in mirror.offsets:
+                    continue
+                array = np.ascontiguousarray(value)
+                buf = self._device_buffer(name, array.nbytes)
+                memory.upload(buf, array)
+                hold.append(array)
+                binding.bind_input(name, device, 0, array.dtype, array.shape, buf.ptr)
+            step = np.shape(feeds["input_ids"])[1]
+            rows = np.shape(feeds["logits_positions"])
+            shapes = {"next_token_ids": (rows, np.int64)}
+            if with_logits:
+                shapes["logits"] = ((*rows, self.dims.vocab), np.float32)
+            for i in range(self.dims.num_layers):
+                for name in (present_key_name(i), present_value_name(i)):
+                    shapes[name] = ((1, step, self.dims.kv_heads, self.dims.head_dim), np.float32)
+            out, bufs = {}, {}
+            for name, (shape, dtype) in shapes.items():
+                out[name] = np.empty(shape, dtype)
+                bufs[name] = self._device_buffer(name, out[name].nbytes)
+                binding.bind_output(name, device, 0, dtype, shape, bufs[name].ptr)
+            memory.synchronize()  # the uploads and moves are queued on another stream than ONNX Runtime's
+            try:
+                self.session.run_with_iobinding(binding)
+            except Exception as err:  # onnxruntime's Fail / InvalidArgument
+                raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+            for name, array in out.items():
+                memory.download(array, bufs[name])
+            memory.synchronize()
+            del hold
+            self._latest = (out[present_key_name(0)],
+                            {"past_key_values." + n[len("present."):]: (bufs[n], 0) for n in out
+                             if n.startswith("present.")})
+        return out
+
     def _buffer_address(self, name: str, value) -> int:
         """Address of a cache buffer, checked once per buffer object (the decoder passes the
         same buffers every step; ``ndarray.ctypes`` costs microseconds per call)."""
@@ -194,3 +297,9 @@ class OrtEngine:
     def close(self) -> None:
         self._bindings.clear()
         self.session = None
+        if self.device_memory is not None:
+            with self._device_lock:
+                self._mirrors.clear()
+                self._device_buffers.clear()
+                self._latest = None
+                self.device_memory.close()
