@@ -22,7 +22,14 @@ greedy, with
   - the TensorRT engines (fp16), if TensorRT was importable     -> gpu-<GPU>-tensorrt-fp16/
 each folder with results.jsonl, summary.md, summary.csv, speedup.png, titled with the
 GPU's name (<GPU> is its name from nvidia-smi, lower-case, e.g. nvidia-h200), plus
-gpu-<GPU>-env.txt (nvidia-smi, versions, timings).
+gpu-<GPU>-env.txt (nvidia-smi, versions, timings). Then batched serving
+(bench/serve_batched.py: closed loop at concurrency 1, 2, 4, 8 with 16 requests per
+level, greedy and the default profile, 128 new tokens, today's threads on one engine
+against the continuous-batching scheduler, every output checked against its solo run)
+on each of those backends                                    -> gpu-<GPU>-serving-<backend>.json
+with its markdown table in gpu-<GPU>-serving-<backend>.md (TensorRT: the engines'
+packed optimization profile, the KV pool kept on the GPU). --no-serving skips it; its
+time on a GPU is not measured yet (on 2 CPU cores it is minutes per backend).
 
 What the GPU machine must have: python3 with torch (CUDA), transformers, onnx,
 onnxruntime, tokenizers, jinja2, click, rich, numpy, matplotlib. What travels from here:
@@ -40,14 +47,15 @@ Commands:
   receive
       On the GPU machine, call 1 (carry .gpu/part0): checks the first part and keeps a
       copy in /tmp/lade-gpu, in case the working tree is replaced before call 2.
-  run [--out DIR] [--tar FILE] [--limit N] [--max-new-tokens N] [--smoke] [--dry-run]
+  run [--out DIR] [--tar FILE] [--limit N] [--max-new-tokens N] [--no-serving] [--smoke] [--dry-run]
       On the GPU machine, call 2 (carry .gpu/part1 .gpu/datasets .whl), right after
       call 1 while the machine is warm: installs the wheels into /tmp/site, joins and
       verifies the GGUF, builds, compares, writes DIR/gpu-<GPU>-* (default bench/results)
       and, with --tar, one archive of them (the device tool returns at most 8 files).
       --smoke: the same pipeline on the CPU with the PyTorch backend in float32,
-      2 prompts, 16 new tokens, profile small (a test runs it). --dry-run: join and
-      verify the weights, print every command, run none.
+      2 prompts, 16 new tokens, profile small, serving at concurrency 1 and 2 with 2
+      requests of 8 tokens (a test runs it). --dry-run: join and verify the weights,
+      print every command, run none.
 
 The device calls, from this repository's root here (the device tool sets $OUT there):
   bash bench/gpu.sh prepare
@@ -66,7 +74,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in -h|--help|help) usage; exit 0 ;; esac
 
-GGUF="" WHEELS=1 LIMIT=16 DRY=0 OUTDIR=bench/results TAR="" NEW=256 SMOKE=0
+GGUF="" WHEELS=1 LIMIT=16 DRY=0 OUTDIR=bench/results TAR="" NEW=256 SMOKE=0 SERVING=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --gguf) GGUF=$2; shift 2 ;;
@@ -77,6 +85,7 @@ while [ $# -gt 0 ]; do
     --tar) TAR=$2; shift 2 ;;
     --max-new-tokens) NEW=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
+    --no-serving) SERVING=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown option $1 (see: bash bench/gpu.sh --help)" ;;
   esac
@@ -203,16 +212,38 @@ run() {
     run_or_print "$PY" cli.py compare "$art" --dataset mt_bench --limit "$LIMIT" --max-new-tokens "$NEW" \
       "${profiles[@]}" "$@" --title "$title, $name" --out "$OUTDIR/gpu-$slug-$name"
   }
-  compare "$([ "$SMOKE" = 1 ] && echo torch-fp32 || echo torch-fp16)" "${backend_args[@]}"
+  local served=()  # (name, backend args) of each backend compared, for batched serving
+  local first
+  first=$([ "$SMOKE" = 1 ] && echo torch-fp32 || echo torch-fp16)
+  compare "$first" "${backend_args[@]}"
+  served+=("$first|${backend_args[*]}")
   if [ "$SMOKE" = 0 ] && "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
     compare ort-cuda --backend ort --device cuda
+    served+=("ort-cuda|--backend ort --device cuda")
   else
     say "ONNX Runtime has no CUDA execution provider here: skipped"
   fi
   if [ ${#trt_args[@]} -gt 0 ]; then
     compare tensorrt-fp16 --backend tensorrt
+    served+=("tensorrt-fp16|--backend tensorrt --device cuda")
   else
     say "TensorRT is not installed here: no engines built, skipped"
+  fi
+  if [ "$SERVING" = 1 ]; then
+    local entry name args levels=(1 2 4 8) requests=16 tokens=128
+    [ "$SMOKE" = 1 ] && { levels=(1 2); requests=2; tokens=8; }
+    for entry in "${served[@]}"; do
+      name=${entry%%|*}; read -r -a args <<< "${entry#*|}"
+      say "batched serving: $name"
+      if [ "$DRY" = 1 ]; then
+        run_or_print "$PY" bench/serve_batched.py "$art" --decoding greedy default --concurrency "${levels[@]}" \
+          --requests "$requests" --max-new-tokens "$tokens" "${args[@]}" --out "$OUTDIR/gpu-$slug-serving-$name.json"
+      else
+        "$PY" bench/serve_batched.py "$art" --decoding greedy default --concurrency "${levels[@]}" \
+          --requests "$requests" --max-new-tokens "$tokens" "${args[@]}" --out "$OUTDIR/gpu-$slug-serving-$name.json" \
+          > "$OUTDIR/gpu-$slug-serving-$name.md"
+      fi
+    done
   fi
   if [ "$DRY" = 0 ]; then
     {

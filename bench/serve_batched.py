@@ -109,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="runs per level and mode, alternating; the median run "
                     "(by throughput) is reported")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--backend", default="ort", help="ort, tensorrt or torch (lade_export.load's backend)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="the torch backend's compute dtype")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -116,7 +119,8 @@ def main(argv=None) -> int:
     from lade_export.scheduler import TOKEN_BUDGET, Scheduler
 
     prompts = chat_prompts(args.first_prompt, args.requests)
-    model = lade_export.load(args.artifact, threads=args.threads or None)
+    model = lade_export.load(args.artifact, args.backend, threads=args.threads or None, device=args.device,
+                             dtype=args.dtype)
     scheduler = Scheduler(model.decoder, token_budget=args.token_budget or TOKEN_BUDGET)
     report = {"command": "python bench/serve_batched.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "artifact": args.artifact, "cores": os.cpu_count(), "load_average_before": os.getloadavg(),

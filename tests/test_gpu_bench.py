@@ -1,7 +1,9 @@
 """bench/gpu.sh: its help, and its whole pipeline on the CPU (--smoke) with the stories260K
-GGUF standing in for SmolLM2 — split, receive, join with sha256, build, compare, archive."""
+GGUF standing in for SmolLM2 — split, receive, join with sha256, build, compare, batched
+serving, archive."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -27,7 +29,9 @@ def test_help_documents_what_it_runs_and_how_the_weights_travel():
     for fact in ("first 16\nMT-Bench prompts", "PyTorch backend, float16, on CUDA", "gpu-<GPU>-torch-fp16/",
                  "gpu-<GPU>-ort-cuda/", "gpu-<GPU>-tensorrt-fp16/", "two parts under 48 MiB", "64 MiB",
                  "prepare [--gguf FILE]", "receive", "run [--out DIR]", "--smoke", "gguf and onnxslim",
-                 'carry=[".gpu/part1", ".gpu/datasets", ".whl"]', "under 8 minutes"):
+                 'carry=[".gpu/part1", ".gpu/datasets", ".whl"]', "under 8 minutes",
+                 "bench/serve_batched.py", "concurrency 1, 2, 4, 8 with 16 requests", "gpu-<GPU>-serving-<backend>.json",
+                 "packed optimization profile", "--no-serving"):
         assert fact in text, fact
     assert gpu_sh().returncode == 2
     bad = gpu_sh("run", "--frobnicate")
@@ -51,6 +55,9 @@ def test_the_pipeline_runs_end_to_end_on_the_cpu(tmp_path, stories_dir):
     dry_run = gpu_sh("run", "--smoke", "--dry-run", "--out", tmp_path / "r", env_extra=env)
     assert dry_run.returncode == 0, dry_run.stderr
     assert "would run:" in dry_run.stdout and "cli.py compare" in dry_run.stdout and "nothing was run" in dry_run.stdout
+    assert "bench/serve_batched.py" in dry_run.stdout and "--concurrency 1 2 --requests 2" in dry_run.stdout
+    no_serving = gpu_sh("run", "--smoke", "--dry-run", "--no-serving", "--out", tmp_path / "r", env_extra=env)
+    assert no_serving.returncode == 0 and "serve_batched" not in no_serving.stdout
     result = gpu_sh("run", "--smoke", "--out", tmp_path / "r", "--tar", tmp_path / "r.tgz", env_extra=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "r" / "gpu-cpu-smoke-torch-fp32" / "summary.csv")))
@@ -58,10 +65,18 @@ def test_the_pipeline_runs_end_to_end_on_the_cpu(tmp_path, stories_dir):
     assert all(r["exact"] == r["prompts"] == "2" for r in rows)
     assert "SmolLM2-135M-Instruct, mt_bench, cpu-smoke, torch-fp32" in \
         (tmp_path / "r" / "gpu-cpu-smoke-torch-fp32" / "summary.md").read_text()
+    serving = json.loads((tmp_path / "r" / "gpu-cpu-smoke-serving-torch-fp32.json").read_text())
+    runs = serving["runs"]  # batched serving: both decodings, both levels, threads and the scheduler
+    assert {(r["decoding"], r["concurrency"], r["mode"]) for r in runs} == \
+        {(d, c, m) for d in ("greedy", "default") for c in (1, 2) for m in ("threads", "scheduler")}
+    assert all(r["equal_to_solo"] == r["requests"] == 2 for r in runs)
+    assert "--backend torch --device cpu --dtype float32" in serving["command"]
+    assert "| greedy | 2 | scheduler |" in (tmp_path / "r" / "gpu-cpu-smoke-serving-torch-fp32.md").read_text()
     with tarfile.open(tmp_path / "r.tgz") as tar:
         names = set(tar.getnames())
     assert {"gpu-cpu-smoke-env.txt", "gpu-cpu-smoke-torch-fp32/summary.md", "gpu-cpu-smoke-torch-fp32/results.jsonl",
-            "gpu-cpu-smoke-torch-fp32/speedup.png"} <= names
+            "gpu-cpu-smoke-torch-fp32/speedup.png", "gpu-cpu-smoke-serving-torch-fp32.json",
+            "gpu-cpu-smoke-serving-torch-fp32.md"} <= names
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
