@@ -15,7 +15,13 @@ artifact's tokenizer), so both engines see identical prompts. Greedy: ``temperat
 request's prefix: lade-export has none either). A request ends at ``n_predict`` tokens or at
 the model's end-of-generation token, as lade-export's does.
 
-Only the Python standard library is used (``http.client``), so the peer adds no dependency.
+Only the Python standard library is used (``http.client``), so the peer adds no dependency;
+except :func:`chat_stream`, the client of ``bench/serve_http.py``: a streamed chat
+completion through any OpenAI-compatible endpoint (llama-server's ``/v1/chat/completions``,
+``lade-export serve``'s) with the official ``openai`` package (the ``test`` extra), so
+both servers are timed by the same client code. There the server applies the chat
+template itself (llama-server: the GGUF's, by its jinja engine);
+:meth:`LlamaServer.chat_prompt_ids` says which ids that gives.
 """
 
 from __future__ import annotations
@@ -104,6 +110,38 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
 
+    @property
+    def base_url(self) -> str:
+        """Its OpenAI-compatible API root, ``http://127.0.0.1:PORT/v1``."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _post(self, path: str, body: dict) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server {path} answered {resp.status}: {data[:300]!r}")
+        return json.loads(data)
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids llama-server decodes for chat ``messages`` on
+        ``/v1/chat/completions``: its chat template (``POST /apply-template``), then its
+        tokenizer (``POST /tokenize``, control tokens parsed, BOS as the GGUF says).
+
+        Args:
+            messages: ``[{"role", "content"}]``.
+
+        Raises:
+            RuntimeError: the server answers with another status than 200.
+        """
+        text = self._post("/apply-template", {"messages": messages})["prompt"]
+        return [int(t) for t in self._post("/tokenize", {"content": text, "add_special": True,
+                                                          "parse_special": True})["tokens"]]
+
     def stream(self, prompt_ids: list[int], max_new_tokens: int):
         """Stream one greedy completion; yields ``(perf_counter time, new token count)`` per
         event, the last one with the server's final counts.
@@ -173,3 +211,63 @@ def run_level(server: LlamaServer, prompt_ids: list[list[int]], concurrency: int
     for t in threads:
         t.join()
     return records, time.perf_counter() - t0
+
+
+def chat_stream(client, model: str, messages: list[dict], max_tokens: int, extra_body: dict | None = None) -> dict:
+    """One streamed greedy chat completion (``temperature`` 0) through an OpenAI-compatible
+    ``/v1/chat/completions``, timed on the client.
+
+    Args:
+        client: an ``openai.OpenAI`` client whose ``base_url`` is the server's ``/v1``.
+        model: the ``model`` field (the served id; llama-server takes any).
+        messages: ``[{"role", "content"}]``; the server applies its chat template.
+        max_tokens: the request's ``max_tokens``.
+        extra_body: fields outside the OpenAI schema (``{"lookahead": ...}`` for
+            lade-export serve, ``{"cache_prompt": False}`` for llama-server).
+
+    Returns:
+        dict: ``text`` (the streamed content, joined); ``ttft_s`` (seconds from sending
+        the request to the first chunk with non-empty content); ``tpot_s`` (per-token
+        latency: seconds from that chunk to the chunk carrying ``finish_reason``, over
+        ``completion_tokens`` − 1; None for a one-token answer); ``completion_tokens`` and
+        ``prompt_tokens`` (the server's ``usage``, asked for by
+        ``stream_options.include_usage``); ``finish_reason``; ``chunks`` (content chunks);
+        ``lookahead`` (lade-export's extension field of the last chunk, else None).
+
+    Raises:
+        RuntimeError: the stream ends without a finish reason or without usage.
+        openai.APIError: the server refuses the request or the connection fails.
+    """
+    t_send = time.perf_counter()
+    parts: list[str] = []
+    t_first = t_end = None
+    usage = reason = lookahead = None
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=int(max_tokens),
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body=extra_body or None)
+    with stream:
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+            extension = getattr(chunk, "lookahead", None)
+            if extension is not None:
+                lookahead = extension
+            for choice in chunk.choices:
+                content = choice.delta.content if choice.delta is not None else None
+                if content:
+                    parts.append(content)
+                    if t_first is None:
+                        t_first = now
+                if choice.finish_reason is not None:
+                    reason, t_end = choice.finish_reason, now
+    if reason is None or usage is None:
+        raise RuntimeError(f"the stream from {client.base_url} ended without "
+                           f"{'a finish_reason' if reason is None else 'usage'}")
+    n = int(usage.completion_tokens)
+    if t_first is None:  # nothing but empty text (e.g. only a stop token)
+        t_first = t_end
+    return {"text": "".join(parts), "ttft_s": t_first - t_send,
+            "tpot_s": (t_end - t_first) / (n - 1) if n > 1 else None, "completion_tokens": n,
+            "prompt_tokens": int(usage.prompt_tokens), "finish_reason": reason, "chunks": len(parts),
+            "lookahead": lookahead}
