@@ -119,14 +119,16 @@ class KVCache:
         """The writes after ``revision``, oldest first: ``(revision, first row, source,
         rows, count)``. For an append of a ``sequence-major`` cache ``source`` is the
         ``present.0.key`` output it copied from, ``rows`` the step rows it kept (None:
-        the first ``count``) and ``count`` the rows written; for any other write
-        ``source`` is None and the rows from ``first row`` on may have changed. None when
+        the first ``count``; ``source`` is None once that output no longer exists) and
+        ``count`` the rows written; for any other write ``source`` is None and the rows
+        from ``first row`` on may have changed. None when
         the log no longer reaches back to ``revision`` (every row may have changed)."""
         if revision == self.revision:
             return []
         if revision > self.revision or not self._writes or self._writes[0][0] > revision + 1:
             return None
-        return [w for w in self._writes if w[0] > revision]
+        return [(r, start, source() if source is not None else None, rows, count)
+                for r, start, source, rows, count in self._writes if r > revision]
 
     @property
     def nbytes(self) -> int:
@@ -169,6 +171,7 @@ class KVCache:
         start, end = self._length, self._length + count
         self.revision += 1
         source = outputs.get(present_key_name(0)) if self.layout == "sequence-major" else None
+        source = weakref.ref(source) if isinstance(source, np.ndarray) else None  # the log keeps no output alive
         self._writes.append((self.revision, start, source, None if rows is None else np.asarray(rows), count))
         if self.layout == "head-major-shared":
             if rows is not None and not np.array_equal(rows, np.arange(count)):
