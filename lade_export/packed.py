@@ -307,7 +307,8 @@ class TokenPool:
         if self.used + len(rows) > self.limit:
             raise GenerationError(f"KV pool full: {self.used} + {len(rows)} tokens exceed {self.limit}")
         self.cache.length = self.used
-        self.cache.append(outputs, rows, step=step)
+        # every row kept (a greedy step, a prompt chunk): slices, not a gather of each present tensor
+        self.cache.append(outputs, None if len(rows) == step else rows, step=step)
         self.owner = np.concatenate([self.owner, *[np.full(len(r), o, np.int64) for o, r in kept]])
 
     def release(self, owner: int) -> None:
