@@ -30,28 +30,38 @@ admits and retires requests between iterations):
 Why this formulation (measured, ``bench/batched_step_options.py``, SmolLM2-135M on a
 shared 2-core CPU, medians of interleaved rounds; ``bench/results/serving-batched.md``):
 
-=================================  ===================  ==========================
-B requests, w rows, context C       serial / packed      packed / per-request bound
-=================================  ===================  ==========================
-fp32, B=2, w=1, C=256               1.67–1.99×           0.94–1.13
-fp32, B=4, w=1, C=256               2.55–2.97×           1.08–1.36
-fp32, B=4, w=11, C=256              1.25–1.30×           1.54–1.61
-int4 (lade), B=4, w=1, C=128        2.04×                1.24
-int4 (lade), B=4, w=1, C=384        1.39×                1.77
-=================================  ===================  ==========================
+=====================================  ===================  ==========================
+B requests, w rows, context C           serial / packed      packed / per-request bound
+=====================================  ===================  ==========================
+fp32, B=2, w=1, C=256                   1.67–1.99×           0.94–1.13
+fp32, B=4, w=1, C=256                   2.55–2.97×           1.08–1.36
+fp32, B=4, w=11, C=256                  1.25–1.30×           1.54–1.61
+int8 (lade), B=4, w=1, C=128            2.57× → 2.85×        1.79 → 1.21
+int8 (lade), B=8, w=1, C=128            2.68× → 3.69×        1.79 → 1.25
+int8 (lade), B=4, w=1, C=384            1.86× → 2.41×        1.96 → 1.45
+int8 (lade), B=8, w=1, C=384            1.55× → 2.25×        3.29 → 1.62
+int8 (lade), B=8, w=1, C=1024           0.76× → 1.72×        5.61 → 2.06
+int8 (lade), B=4, w=11, C=384           1.01× → 1.39×        1.60 → 1.06
+int8 (lade), B=8, w=11, C=384           0.65× → 1.32×        2.16 → 1.17
+=====================================  ===================  ==========================
 
 ``serial`` is today's path (one pass per request), ``packed`` one pass over a shared
 pool, ``bound`` the same rows over a single request's cache (what attention per request
-— one attention node per slot, or a ragged-attention kernel — could at best achieve).
-Batching pays where the weight MatMuls share their reads: greedy-width steps. The packed
-pass over a pool needs no new graph input, so every artifact built before batches as it
-is (``onnx-ops`` and ONNX Runtime's ``GroupQueryAttention``, whose kernel refuses batch
-> 1 for a multi-token step with a cache but takes a batch-1 step of any rows with a
-block-diagonal mask), and it let this phase land the scheduler with exact, tested
-results. Its cost is attention over columns a row cannot see, growing with requests ×
-context; it is worst where the MatMuls are cheap (int4: at 384 tokens four greedy steps
-cost 1.77× the bound, 1.4× serial instead of 2.5×). Attention per request, behind this
-same scheduler and pool interface, is the next phase.
+could at best achieve; optimistic, as its rows share one cache's keys). int8 rows: ``a → b``
+is the int8 lade build before and after attention per request (2026-12-01: the compact,
+interleaved pool with ``AttentionRows`` over every column and the graph's Transposes of the
+whole pool → per-request regions with ``AttentionRows`` skipping masked key blocks and
+reading the cache in place). Batching pays where the weight MatMuls share their reads:
+greedy-width steps. The packed pass over a pool needs no new graph input, so every
+artifact built before batches as it is (``onnx-ops`` and ONNX Runtime's
+``GroupQueryAttention``, whose kernel refuses batch > 1 for a multi-token step with a
+cache but takes a batch-1 step of any rows with a block-diagonal mask). On those engines
+its cost is attention over columns a row cannot see, growing with requests × context, so
+they keep the compact pool (:mod:`lade_export.packed`). On int8 lade builds made since
+2026-12-01 a row's attention costs its own request's key blocks (each request one
+contiguous region of the pool, ``TokenPool(regions=True)``); what still grows with the
+pass is reading each request's own keys (the bound's rows share one cache) and the mask
+(``step × past`` bytes).
 
 Limits: on a ``group-query-attention`` graph the pool holds at most ``max_context``
 tokens over all requests (the graph's rotary table bounds the key length of a pass).
