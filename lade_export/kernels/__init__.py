@@ -13,10 +13,23 @@ operators": a shared library exporting ``RegisterCustomOps``, loaded with
 * ``GatherBlockQ(Q, D, M, ids int64[...]) -> float[..., K]`` (attribute ``N``): rows of the
   same table, i.e. a tied token embedding read from the LM head's own tensors.
 
-and, for int8-compute graphs, ``AttentionRows(Q, PK, K, PV, V, masked) -> float`` (attribute
-``scale``): the attention of an ``onnx-ops`` step graph computed per query row over the keys it
-sees, in position order, in one pass over the cache and the step
-(:func:`lade_export.quantize.exact_attention` swaps it in).
+and, for int8-compute graphs, ``AttentionRows(Q float[B, KV, G·S, D], PK, K float[B, KV, D, S],
+PV, V float[B, KV, S, D], masked bool[B, 1, 1, S, P+S]) -> float[B, KV, G·S, D]`` (attributes
+``scale`` and ``past_layout``): the attention of an ``onnx-ops`` step graph computed per query
+row over the keys it sees, in position order, in one pass over the cache and the step
+(:func:`lade_export.quantize.exact_attention` swaps it in). ``past_layout=1`` (graphs built
+since 2026-12-01) takes the cache as the graph's own sequence-major inputs, PK = PV =
+``[B, P, KV, D]``, read in place; absent or 0 (graphs before), the graph's Transposes of it,
+PK ``[B, KV, D, P]`` and PV ``[B, KV, P, D]`` — a copy of the whole cache per layer and step.
+Keys are taken in blocks of 16 columns, and a block whose 16 mask entries are all masked for
+a row is skipped for that row (no score, no exp): a row costs the blocks it sees, which is
+what lets a packed pass over the scheduler's pool cost each request its own columns
+(:mod:`lade_export.packed`, regions). Every key's score and exp are the same operations in a
+vector lane or alone, so skipping changes no bit of any row. With an in-place cache, the keys
+of the blocks some row sees are first copied into ``[D, 16]`` tiles (per calling thread, up to
+``P × KV × D`` floats kept for the next call). Graphs carrying ``past_layout=1`` say so in
+their ONNX metadata (``attention_skips_masked = 16``, read by
+:func:`lade_export.packed.attention_skips`).
 
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 
