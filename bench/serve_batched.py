@@ -7,17 +7,22 @@ For each concurrency level N and each mode, N client threads keep N requests in 
 * ``threads``   — ``Model.stream`` without a scheduler: every request runs its own
   forward passes on the shared ONNX Runtime session (what ``lade_export.load()`` does today);
 * ``scheduler`` — the same ``Model`` with a :class:`lade_export.scheduler.Scheduler`:
-  every active request's next step shares one pass.
+  every active request's next step shares one pass; with ``--width-policy adaptive
+  profile`` one scheduler per width policy (modes ``scheduler-adaptive``,
+  ``scheduler-profile``), each alternating with the others.
 
 Levels are run in order and the two modes alternate within a level, ``--rounds`` times
 (the machine may be shared: compare ratios within a level; the median round is shown).
 Per level and mode it reports aggregate new tokens over wall time (prefill included),
 TTFT p50/p99, per-token latency p50/p99, tokens per decode step, and for the scheduler
-the mean requests and rows per pass. Every output is compared with the same request's output at concurrency 1 without a scheduler.
+the mean requests and rows per pass and the share of passes per lookahead width (the
+widest step class of the pass: 1 = one-token, c = candidates, h = half-window, p =
+profile). Every output is compared with the same request's output at concurrency 1 without a scheduler.
 
 Usage:
     python bench/serve_batched.py /work/artifacts/smollm2-lade --decoding greedy default \\
-        --concurrency 1 2 4 --requests 12 --max-new-tokens 128 --out bench/results/serving-batched-lade.json
+        --concurrency 1 2 4 --requests 12 --max-new-tokens 128 --width-policy adaptive profile \\
+        --out bench/results/serving-batched-lade.json
 """
 
 from __future__ import annotations
@@ -88,12 +93,22 @@ def summarize(records, wall, reference, scheduler=None, before=None) -> dict:
            "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
            "equal_to_solo": sum(r["ids"] == reference[r["prompt"]] for r in records)}
     if scheduler is not None:
-        shapes = scheduler.pass_shapes - before
+        shapes = scheduler.pass_shapes - before[0]
         passes = sum(shapes.values())
         out["passes"] = passes
         out["requests_per_pass"] = sum(n * c for (n, _), c in shapes.items()) / max(passes, 1)
         out["rows_per_pass"] = sum(r * c for (_, r), c in shapes.items()) / max(passes, 1)
+        widths = scheduler.width_passes - before[1]
+        out["width_pass_share"] = {w: widths[w] / max(sum(widths.values()), 1) for w in widths}
+        out["width_steps"] = dict(scheduler.width_steps - before[2])
     return out
+
+
+def width_shares(share: dict) -> str:
+    """``1:80 c:15 p:5`` (percent of passes per widest step class)."""
+    from lade_export.width_policy import WIDTHS
+
+    return " ".join(f"{w[0] if w != 'one-token' else '1'}:{100 * share[w]:.0f}" for w in WIDTHS if share.get(w))
 
 
 def main(argv=None) -> int:
@@ -106,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--first-prompt", type=int, default=12)
     ap.add_argument("--token-budget", type=int, default=None)
+    ap.add_argument("--width-policy", nargs="+", default=["adaptive"], choices=["adaptive", "profile"],
+                    help="the scheduler's width policy; several: one scheduler mode each, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="runs per level and mode, alternating; the median run "
                     "(by throughput) is reported")
     ap.add_argument("--threads", type=int, default=0)
@@ -121,15 +138,18 @@ def main(argv=None) -> int:
     prompts = chat_prompts(args.first_prompt, args.requests)
     model = lade_export.load(args.artifact, args.backend, threads=args.threads or None, device=args.device,
                              dtype=args.dtype)
-    scheduler = Scheduler(model.decoder, token_budget=args.token_budget or TOKEN_BUDGET)
+    schedulers = {("scheduler" if len(args.width_policy) == 1 else f"scheduler-{p}"):
+                  Scheduler(model.decoder, token_budget=args.token_budget or TOKEN_BUDGET, width_policy=p)
+                  for p in args.width_policy}
+    modes = ["threads", *schedulers]
     report = {"command": "python bench/serve_batched.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "artifact": args.artifact, "cores": os.cpu_count(), "load_average_before": os.getloadavg(),
               "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "runs": []}
     print(f"{args.artifact}: {len(prompts)} chat prompts, {args.max_new_tokens} new tokens, "
           f"{args.requests} requests per level; load average {os.getloadavg()[0]:.2f}")
     print("| decoding | concurrency | mode | tok/s | vs threads | TTFT p50/p99 (ms) | per-token p50/p99 (ms) | "
-          "tokens/step | requests/pass | rows/pass | = solo |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "tokens/step | requests/pass | rows/pass | passes per width (%) | = solo |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for decoding in args.decoding:
         lookahead = decoding != "greedy"
         profile = None if decoding in ("greedy", "default") else decoding
@@ -138,31 +158,33 @@ def main(argv=None) -> int:
         solo, _ = run_level(model, prompts, 1, len(prompts), args.max_new_tokens, profile, lookahead)
         reference = {r["prompt"]: r["ids"] for r in solo}
         for c in args.concurrency:
-            row, runs = {}, {"threads": [], "scheduler": []}
+            row, runs = {}, {mode: [] for mode in modes}
             for _ in range(args.rounds):
-                for mode in ("threads", "scheduler"):
-                    model.scheduler = scheduler if mode == "scheduler" else None
-                    before = scheduler.pass_shapes.copy()
+                for mode in modes:
+                    scheduler = schedulers.get(mode)
+                    model.scheduler = scheduler
+                    before = ((scheduler.pass_shapes.copy(), scheduler.width_passes.copy(),
+                               scheduler.width_steps.copy()) if scheduler else None)
                     records, wall = run_level(model, prompts, c, args.requests, args.max_new_tokens, profile,
                                               lookahead)
-                    runs[mode].append(summarize(records, wall, reference, scheduler if mode == "scheduler" else None,
-                                                before))
-            for mode in ("threads", "scheduler"):
+                    runs[mode].append(summarize(records, wall, reference, scheduler, before))
+            for mode in modes:
                 ordered = sorted(runs[mode], key=lambda r: r["throughput_tok_s"])
                 s = row[mode] = ordered[(len(ordered) - 1) // 2]
                 s["round_throughputs"] = [r["throughput_tok_s"] for r in runs[mode]]
                 s["equal_to_solo"] = sum(r["equal_to_solo"] for r in runs[mode])
                 s["requests"] = sum(r["requests"] for r in runs[mode])
                 report["runs"].append({"decoding": decoding, "concurrency": c, "mode": mode, **s})
-                extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f}" if mode == "scheduler"
-                         else "– | –")
+                extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f} | "
+                         f"{width_shares(s['width_pass_share'])}" if mode != "threads" else "– | – | –")
                 print(f"| {decoding} | {c} | {mode} | {s['throughput_tok_s']:.1f} | "
                       f"{s['throughput_tok_s'] / row['threads']['throughput_tok_s']:.2f}× | "
                       f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
                       f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | "
                       f"{s['equal_to_solo']}/{s['requests']} |", flush=True)
     model.scheduler = None
-    scheduler.close()
+    for scheduler in schedulers.values():
+        scheduler.close()
     model.close()
     report["load_average_after"] = os.getloadavg()
     if args.out:

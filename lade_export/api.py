@@ -27,7 +27,8 @@ from .sampling import SamplingParams, is_integer_number
 
 
 def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
-         verify: str | bool = "quick", dtype: str = "float32", batching: bool = False) -> "Model":
+         verify: str | bool = "quick", dtype: str = "float32", batching: bool = False,
+         width_policy: str | None = None) -> "Model":
     """Open a built artifact and its engine.
 
     Args:
@@ -46,6 +47,9 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
             requests share forward passes; each output equals its unbatched one), with
             its default options (``model.scheduler``); with the tensorrt backend the
             engines need their packed optimization profile (built since it exists).
+        width_policy: the scheduler's option of that name (``batching`` only): how wide
+            lookahead steps are under load, ``"adaptive"`` or ``"profile"``
+            (:mod:`lade_export.width_policy`); None: the scheduler's default.
 
     Raises:
         ArtifactError: not a build, another schema version, or a damaged file.
@@ -60,7 +64,7 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
     artifact = Artifact(artifact_dir, verify=verify)
     tokenizer = artifact.tokenizer()
     engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
-    model = Model(artifact, tokenizer, engine, batching=batching)
+    model = Model(artifact, tokenizer, engine, batching=batching, width_policy=width_policy)
     if batching and backend == "tensorrt":  # the scheduler's passes must fit the engines' packed profile
         s = model.scheduler
         try:
@@ -127,7 +131,7 @@ class Model:
         load_s: seconds :func:`load` took.
     """
 
-    def __init__(self, artifact: Artifact, tokenizer, engine, batching: bool = False):
+    def __init__(self, artifact: Artifact, tokenizer, engine, batching: bool = False, width_policy: str | None = None):
         self.artifact = artifact
         self.tokenizer = tokenizer
         self.engine = engine
@@ -139,7 +143,7 @@ class Model:
         if batching:
             from .scheduler import Scheduler
 
-            self.scheduler = Scheduler(self.decoder)
+            self.scheduler = Scheduler(self.decoder, **({} if width_policy is None else {"width_policy": width_policy}))
 
     def encode(self, prompt, chat: bool | None = None, *, parse_special_in_messages: bool = False) -> list[int]:
         """Prompt token ids.

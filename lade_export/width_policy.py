@@ -11,19 +11,19 @@ before this module).
 Width classes (:data:`WIDTHS`, narrowest first) of a request with profile (W, N, G, K),
 each a :class:`~lade_export.lookahead.StepCap` the request's profile bounds:
 
-=============== ====================== ===========================================
-class           cap (window, G, K)     rows
-=============== ====================== ===========================================
-``one-token``   (0, 0, 0)              1
-``candidates``  (0, G, K)              1 + trie nodes
-``half-window`` (⌈W/2⌉, G, K)          1 + ⌈W/2⌉·(N−1) + trie nodes
-``profile``     (W, G, K)              1 + W·(N−1) + trie nodes (≤ the profile's ``max_step``)
-=============== ====================== ===========================================
+=============== ====================== ======================================= ==========
+class           cap (window, G, K)     rows                                    exists
+=============== ====================== ======================================= ==========
+``one-token``   (0, 0, 0)              1                                       always
+``candidates``  (0, G, K)              1 + trie nodes                          W ≥ 1
+``half-window`` (⌈W/2⌉, G, K)          1 + ⌈W/2⌉·(N−1) + trie nodes            W ≥ 2
+``profile``     (W, G, K)              1 + W·(N−1) + trie nodes (≤ max_step)   always
+=============== ====================== ======================================= ==========
 
 The three wider classes verify the same trie (the same candidates), so one
 ``prepare`` gives every class's rows exactly. A class with no more rows than a narrower
-one is dropped (a request with no candidates this step has ``one-token`` and the window
-classes only). A step never exceeds its profile: the profile is the upper bound.
+one is dropped for that step (with no candidates this step, a W = 0 profile has only
+``one-token``). A step never exceeds its profile: the profile is the upper bound.
 
 Exactness. Greedy verification is exact at any width (every accepted token is the argmax
 after exactly the accepted prefix), so a greedy request's output is the same whatever
@@ -54,13 +54,20 @@ Inputs:
   every 16 passes, with passes more than 3 MADs above the fit dropped (a preempted pass
   on a shared machine) and coefficients kept ≥ 0. :class:`CostCurve` is a fixed curve
   (deterministic: tests inject one).
-* **Acceptance**: per request and width class, the tokens its steps of that class
-  accepted (exponential moving average, memory ≈ 10 steps, :class:`Acceptance`), shrunk
-  toward a prior for classes the request has seldom run: the mean over every request's
-  recent steps of that class, itself starting from :data:`PRIOR_TOKENS`. A one-token step
-  accepts exactly 1. A window's worth is partly in later steps (its n-grams become
-  candidates); the window classes' averages include that, as they are taken over all
-  their steps.
+* **Acceptance**: per request and width class, the chance ``α`` that a candidate token
+  is accepted once its prefix was, estimated from the request's recent steps of that class
+  (exponentially decayed, memory ≈ 10 steps, :class:`Acceptance`) and shrunk toward the
+  estimate over every request's recent steps of the class (itself starting from
+  :data:`PRIOR_ACCEPT`); a step whose trie is ``D`` tokens deep is then expected to accept
+  ``1 + α + … + α^D`` tokens (this step's trie: a request with a long history match is
+  worth more rows than one with a 1-token pool guess). A one-token step, or a step with
+  no candidates, accepts exactly 1. The estimate is myopic: it credits a step with the
+  tokens it accepts, not with the n-grams its window rows add to the pool for later
+  steps; the window classes verify the same trie as ``candidates``, so they expect the
+  same tokens for more rows, and the adaptive policy feeds window rows only at
+  exploration steps (below) or where rows cost nothing. (The CPU profiles' windows are
+  W ≤ 1 anyway: their tokens come mostly from history lookup and the pool's verified
+  n-grams, which every accepted token still feeds.)
 
 Decision (:meth:`AdaptiveWidth.choose`), per pass: start every request at its narrowest
 class (greedy requests at a one-token step: batched greedy), then repeatedly widen the
@@ -70,7 +77,11 @@ and the rows fit the token budget. This maximizes the pass's expected tokens per
 (greedily); the start is batched greedy and every move is expected to beat it, so the
 policy does not lose to batched greedy unless its estimates are wrong. At low load a
 request that accepts a lot keeps its profile's width; as passes fill up the marginal rows
-cost more than they bring and requests fall back to one-token steps.
+cost more than they bring and requests fall back to one-token steps. Exploration: a
+request's first step, and one step after every ``explore_every`` (32) narrower ones, is
+its widest class whatever the estimate (budget permitting), so acceptance of wide steps
+and the cost of wide passes keep being measured; that bounds its price to about one step
+in 32.
 """
 
 from __future__ import annotations
@@ -88,7 +99,9 @@ from .lookahead import ONE_TOKEN, StepCap
 WIDTHS = ("one-token", "candidates", "half-window", "profile")
 
 #: Prior tokens per step of each class (before any request has run it).
-PRIOR_TOKENS = {"one-token": 1.0, "candidates": 1.5, "half-window": 1.4, "profile": 1.5}
+#: Prior chance that a candidate token is accepted after its prefix was (before any request
+#: ran the class; see :class:`Acceptance`).
+PRIOR_ACCEPT = {"candidates": 0.4, "half-window": 0.4, "profile": 0.4}
 
 #: Prior step-cost shape (a, b, c) in one-token-step units (see the module docstring).
 PRIOR_COST = (1.0, 0.17, 5e-4)
@@ -96,20 +109,22 @@ PRIOR_COST = (1.0, 0.17, 5e-4)
 
 def width_caps(profile) -> list[tuple[str, StepCap]]:
     """The width classes of a lookahead profile, narrowest first, as ``(class, cap)``;
-    a class whose cap equals a narrower one's is left out.
+    a class whose cap would equal another's is left out (the profile's own step is always
+    ``profile``: for W = 0 there is no ``candidates`` class, for W = 1 no ``half-window``).
 
     Args:
         profile: an enabled :class:`~lade_export.profile.LookaheadProfile` (W, N, G, K).
     """
     w, g, k = profile.window, profile.guesses, profile.lookup
-    caps = [("one-token", ONE_TOKEN), ("candidates", StepCap(0, g, k)),
-            ("half-window", StepCap(math.ceil(w / 2), g, k)), ("profile", StepCap(w, g, k))]
-    out, seen = [], set()
-    for name, cap in caps:
-        if cap not in seen:
-            seen.add(cap)
-            out.append((name, cap))
-    return out
+    caps = [("one-token", ONE_TOKEN)]
+    if w > 0 and (g > 0 or k > 0):
+        caps.append(("candidates", StepCap(0, g, k)))
+    if w >= 2:
+        caps.append(("half-window", StepCap(math.ceil(w / 2), g, k)))
+    full = StepCap(w, g, k)
+    if full != ONE_TOKEN:
+        caps.append(("profile", full))
+    return caps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,34 +251,61 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarra
 
 
 class Acceptance:
-    """One request's recent tokens per step, per width class (exponential moving
-    averages shrunk toward the policy's pooled prior).
+    """One request's recent acceptance per width class.
+
+    Model: each candidate token of the trie's deepest path is accepted, given the tokens
+    before it were, with probability ``α`` (per request and class), so a step whose trie
+    is ``D`` tokens deep accepts ``1 + α + α² + … + α^D = 1 + α·(1 − α^D)/(1 − α)`` tokens
+    in expectation. ``α`` is the maximum-likelihood estimate of that geometric model over
+    the request's recent steps (exponentially decayed: extra tokens accepted over extra
+    tokens accepted plus rejections, a step that accepted all ``D`` having no rejection),
+    shrunk toward the pooled estimate over every request's recent steps of the class
+    (itself starting from :data:`PRIOR_ACCEPT`).
 
     Args:
-        policy: the :class:`AdaptiveWidth` whose pooled averages are the prior.
+        policy: the :class:`AdaptiveWidth` whose pooled estimates are the prior.
     """
 
-    __slots__ = ("policy", "sums")
+    __slots__ = ("policy", "sums", "since_widest")
 
     def __init__(self, policy: "AdaptiveWidth"):
         self.policy = policy
-        self.sums: dict = {}  # class -> [decayed tokens, decayed steps]
+        self.sums: dict = {}  # class -> [decayed extra tokens accepted, decayed rejections]
+        self.since_widest = policy.explore_every  # steps since its widest class ran (a new request: due)
 
-    def expected(self, width: str) -> float:
-        """Expected tokens of a step of class ``width`` (exactly 1 for ``one-token``)."""
-        if width == "one-token":
-            return 1.0
-        prior = self.policy.pooled(width)
-        s, n = self.sums.get(width, (0.0, 0.0))
+    @property
+    def due(self) -> bool:
+        """Whether the request's next step should be its widest (exploration, see
+        :class:`AdaptiveWidth`)."""
+        every = self.policy.explore_every
+        return every > 0 and self.since_widest >= every
+
+    def rate(self, width: str) -> float:
+        """``α`` of class ``width``: the chance a candidate token is accepted after its prefix was."""
+        s, f = self.sums.get(width, (0.0, 0.0))
         w = self.policy.prior_steps
-        return (s + w * prior) / (n + w)
+        return (s + w * self.policy.pooled(width)) / (s + f + w)
 
-    def observe(self, width: str, tokens: int) -> None:
-        """A step of class ``width`` accepted ``tokens`` tokens."""
+    def expected(self, width: str, depth: int) -> float:
+        """Expected tokens of a step of class ``width`` whose trie is ``depth`` tokens deep
+        (exactly 1 for ``one-token`` or an empty trie)."""
+        if width == "one-token" or depth <= 0:
+            return 1.0
+        a = min(self.rate(width), 0.999)
+        return 1.0 + a * (1.0 - a ** depth) / (1.0 - a)
+
+    def observe(self, width: str, tokens: int, depth: int, widest: bool = False) -> None:
+        """A step of class ``width`` with a trie ``depth`` deep accepted ``tokens`` tokens;
+        ``widest``: it was the widest of the request's classes that pass."""
+        self.since_widest = 0 if widest else self.since_widest + 1
+        if width == "one-token" or depth <= 0:
+            return
+        extra = min(max(tokens - 1, 0), depth)
+        rejected = 1.0 if extra < depth else 0.0
         d = self.policy.memory
-        s, n = self.sums.get(width, (0.0, 0.0))
-        self.sums[width] = [d * s + tokens, d * n + 1.0]
-        self.policy.observe_pooled(width, tokens)
+        s, f = self.sums.get(width, (0.0, 0.0))
+        self.sums[width] = [d * s + extra, d * f + rejected]
+        self.policy.observe_pooled(width, extra, rejected)
 
 
 class ProfileWidth:
@@ -287,8 +329,13 @@ class AdaptiveWidth:
         margin: an extra class is taken when its tokens per extra second beat the pass's
             tokens per second by this fraction (≥ 0).
         memory: decay of the acceptance averages per step, in (0, 1).
-        prior_steps: weight of the pooled prior in a request's estimate, in steps.
-        prior: tokens per step of each class before any request ran it.
+        prior_steps: weight of the pooled prior in a request's estimate, in candidate tokens.
+        prior: acceptance rate ``α`` of each class before any request ran it (default
+            :data:`PRIOR_ACCEPT`).
+        explore_every: a request's step is its widest class (when the budget lets it) once
+            it has run this many narrower steps, and so is its first step (0: never): the
+            acceptance of wide steps and the cost of wide passes stay measured, not only
+            assumed. It bounds what exploration costs to one step in ``explore_every``.
 
     Raises:
         GenerationError: an option out of range.
@@ -297,36 +344,39 @@ class AdaptiveWidth:
     adaptive = True
 
     def __init__(self, cost: CostCurve | None = None, *, margin: float = 0.05, memory: float = 0.9,
-                 prior_steps: float = 3.0, prior: dict | None = None):
+                 prior_steps: float = 3.0, prior: dict | None = None, explore_every: int = 32):
         if not (0 <= margin < 10):
             raise GenerationError(f"margin must be in [0, 10), got {margin!r}")
         if not (0 < memory < 1):
             raise GenerationError(f"memory must be in (0, 1), got {memory!r}")
+        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 0:
+            raise GenerationError(f"explore_every must be an integer ≥ 0, got {explore_every!r}")
+        self.explore_every = explore_every
         self.cost = cost if cost is not None else OnlineCostCurve()
         self.margin = margin
         self.memory = memory
         self.prior_steps = prior_steps
-        self._pooled = {k: [v, 1.0] for k, v in {**PRIOR_TOKENS, **(prior or {})}.items()}
+        self._pooled = {k: [2.0 * v, 2.0 * (1.0 - v)] for k, v in {**PRIOR_ACCEPT, **(prior or {})}.items()}
 
     def tracker(self) -> Acceptance:
         """A new request's acceptance record."""
         return Acceptance(self)
 
     def pooled(self, width: str) -> float:
-        """Mean tokens per step of class ``width`` over every request's recent steps."""
-        s, n = self._pooled[width]
-        return s / n
+        """``α`` of class ``width`` over every request's recent steps."""
+        s, f = self._pooled[width]
+        return s / (s + f)
 
-    def observe_pooled(self, width: str, tokens: int) -> None:
-        """Fold one step into the pooled average (memory ≈ 50 steps)."""
-        s, n = self._pooled[width]
-        self._pooled[width] = [0.98 * s + tokens, 0.98 * n + 1.0]
+    def observe_pooled(self, width: str, extra: int, rejected: float) -> None:
+        """Fold one step into the pooled estimate (memory ≈ 50 steps)."""
+        s, f = self._pooled[width]
+        self._pooled[width] = [0.98 * s + extra, 0.98 * f + rejected]
 
     def observe_pass(self, rows: int, context: int, seconds: float) -> None:
         """A measured decode pass, for the cost curve."""
         self.cost.observe(rows, context, seconds)
 
-    def choose(self, menus: list, context: int, budget: int) -> list[int]:
+    def choose(self, menus: list, context: int, budget: int, trackers: list | None = None) -> list[int]:
         """The option index of every request for one pass.
 
         Args:
@@ -335,13 +385,20 @@ class AdaptiveWidth:
             context: cached tokens in the pool (every row attends over them).
             budget: most rows of the pass; widening stays within it (the narrowest
                 options alone may exceed it: the scheduler then defers steps).
+            trackers: per request, its :class:`Acceptance` (for exploration; None: none).
 
         Returns:
             ``[index into menus[i]]``.
         """
         pick = [0] * len(menus)
         rows = sum(m[0].rows for m in menus)
-        tokens = sum(m[0].tokens for m in menus)
+        for i, menu in enumerate(menus):  # exploration first: requests due for their widest step
+            if trackers is not None and len(menu) > 1 and trackers[i].due:
+                extra = menu[-1].rows - menu[0].rows
+                if rows + extra <= budget:
+                    pick[i] = len(menu) - 1
+                    rows += extra
+        tokens = sum(m[k].tokens for m, k in zip(menus, pick))
         cost = self.cost(rows, context)
         while True:
             best = None

@@ -53,7 +53,10 @@ def solo(stories_decoder, reference_greedy):
 
 
 def _same(a, b):
-    return (a.token_ids, a.text, a.stop_reason, a.stats.steps) == (b.token_ids, b.text, b.stop_reason, b.stats.steps)
+    """Same output; and for a sampled request the same steps (the adaptive width policy
+    may take a greedy request's steps narrower, never a sampled one's)."""
+    steps = (a.stats.steps, b.stats.steps) if a.stats.decoding != "greedy" else ()
+    return (a.token_ids, a.text, a.stop_reason, *steps[:1]) == (b.token_ids, b.text, b.stop_reason, *steps[1:])
 
 
 def _run_concurrently(scheduler, reference_greedy, specs) -> list:
@@ -73,14 +76,18 @@ def _run_concurrently(scheduler, reference_greedy, specs) -> list:
     return results
 
 
-@pytest.mark.parametrize("budget,chunk", [(64, 512), (12, 5)], ids=["defaults", "tight-budget-chunked-prefill"])
-def test_eight_concurrent_requests_each_equal_their_solo_run(stories_decoder, reference_greedy, solo, budget, chunk):
-    scheduler = Scheduler(stories_decoder, token_budget=budget, prefill_chunk=chunk)
+@pytest.mark.parametrize("budget,chunk,policy", [(64, 512, "adaptive"), (12, 5, "adaptive"), (12, 5, "profile")],
+                         ids=["defaults", "tight-budget-chunked-prefill", "tight-budget-profile-widths"])
+def test_eight_concurrent_requests_each_equal_their_solo_run(stories_decoder, reference_greedy, solo, budget, chunk,
+                                                             policy):
+    scheduler = Scheduler(stories_decoder, token_budget=budget, prefill_chunk=chunk, width_policy=policy)
     for i, (got, want) in enumerate(zip(_run_concurrently(scheduler, reference_greedy, REQUESTS), solo)):
         assert _same(got, want), REQUESTS[i]
     assert max(n for n, _ in scheduler.pass_shapes) >= 4  # they did share passes
-    if budget == 12:  # a pass over the budget is one request's step (a lookahead step wider than 12)
-        assert {n for n, rows in scheduler.pass_shapes if rows > 12} == {1}
+    if budget == 12:  # a pass over the budget is one request's step (a lookahead step wider than 12;
+        # the adaptive policy narrows greedy steps to fit, so it may have none)
+        wide = {n for n, rows in scheduler.pass_shapes if rows > 12}
+        assert wide == {1} if policy == "profile" else wide <= {1}
     assert scheduler.pool.used == 0
 
 
@@ -481,3 +488,68 @@ def test_packed_passes_on_the_integer_lade_kernels_equal_solo_runs(lade_int8_dec
         assert _same(got, want), specs[i]
     assert max(n for n, _ in scheduler.pass_shapes) >= 3  # they did share passes
     assert scheduler.pool.used == 0
+
+
+# -- the load-adaptive width policy (lade_export/width_policy.py) ---------------------------------
+
+#: Eight greedy requests with lookahead profiles (window, candidates, history lookup).
+GREEDY_LOOKAHEAD = [
+    (0, "default", None, (), 96),
+    (1, "small", None, (" the",), 80),
+    (2, "paper", None, (), 64),
+    (0, LookaheadProfile(4, 2, 6), None, ("Lily",), 128),
+    (1, LookaheadProfile(0, 2, 0, lookup=10, lookup_min_match=2), None, (), 100),
+    (2, "default", None, (".",), 90),
+    (0, "wide", None, (), 72),
+    (1, LookaheadProfile(2, 3, 2, lookup=4), None, (), 110),
+]
+
+
+@pytest.mark.parametrize("cost", ["online", "busy", "free"])
+def test_adaptive_widths_keep_eight_greedy_lookahead_requests_equal_to_their_solo_runs(stories_decoder,
+                                                                                       reference_greedy, cost):
+    """Eight concurrent greedy lookahead requests under the adaptive policy each give their
+    solo output (the same tokens, text and stop; fewer or more steps): with the online
+    cost fit, with a curve where every row costs twice a pass and no exploration (every
+    step one token) and with free rows (a step with candidates as wide as the token budget
+    lets it; one without is a one-token step: the window's rows alone accept nothing)."""
+    from lade_export.width_policy import AdaptiveWidth, CostCurve
+
+    solo = [_solo(stories_decoder, reference_greedy, spec) for spec in GREEDY_LOOKAHEAD]
+    policy = {"online": "adaptive", "busy": AdaptiveWidth(CostCurve(1.0, 2.0), explore_every=0),
+              "free": AdaptiveWidth(CostCurve(1.0, 0.0))}[cost]
+    scheduler = Scheduler(stories_decoder, width_policy=policy)
+    results = _run_concurrently(scheduler, reference_greedy, GREEDY_LOOKAHEAD)
+    for spec, got, want in zip(GREEDY_LOOKAHEAD, results, solo):
+        assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason), spec
+    steps = sum(r.stats.steps for r in results)
+    assert sum(scheduler.width_steps.values()) == steps
+    assert 0 < sum(scheduler.width_passes.values()) <= scheduler.passes
+    if cost == "busy":
+        assert dict(scheduler.width_steps) == {"one-token": steps}
+        assert steps == sum(len(r.token_ids) for r in results)
+    if cost == "free":  # rows cost nothing: a step with candidates widens while the budget lets it
+        w = scheduler.width_steps
+        assert w["profile"] > w["candidates"] + w["half-window"] and w["profile"] > 0
+        assert steps < sum(len(r.token_ids) for r in results)
+    assert scheduler.pool.used == 0
+
+
+def test_adaptive_widths_leave_sampled_requests_equal_to_their_solo_runs(stories_decoder, reference_greedy, solo):
+    """REQUESTS (sampled lookahead, sampled plain and greedy ones) under an adaptive policy
+    whose cost curve narrows every greedy step to one token: the sampled requests keep
+    their profile's steps and equal their solo runs step for step; the greedy ones their
+    solo tokens."""
+    from lade_export.width_policy import AdaptiveWidth, CostCurve
+
+    scheduler = Scheduler(stories_decoder, width_policy=AdaptiveWidth(CostCurve(1.0, 2.0), explore_every=0))
+    results = _run_concurrently(scheduler, reference_greedy, REQUESTS)
+    for spec, got, want in zip(REQUESTS, results, solo):
+        if spec[2] is not None:
+            assert _same(got, want), spec
+        else:
+            assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason), spec
+    sampled_lookahead = sum(r.stats.steps for spec, r in zip(REQUESTS, results) if spec[1] and spec[2])
+    assert scheduler.width_steps["profile"] == sampled_lookahead > 0
+    assert scheduler.width_steps["one-token"] == sum(r.stats.steps for spec, r in zip(REQUESTS, results)
+                                                     if not (spec[1] and spec[2]))

@@ -67,6 +67,23 @@ def test_a_request_with_one_option_keeps_it():
     assert policy.choose([[Option("one-token", None, 1, 1.0)], _menu()], context=0, budget=64) == [0, 0]
 
 
+def test_a_request_due_for_exploration_runs_its_widest_step_once_even_when_busy():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.2), explore_every=4)
+    trackers = [policy.tracker() for _ in range(3)]  # new requests are due
+    trackers[1].observe("profile", 1, 4, widest=True)
+    assert policy.choose([_menu() for _ in range(3)], context=0, budget=64, trackers=trackers) == [2, 0, 2]
+    assert policy.choose([_menu() for _ in range(3)], context=0, budget=20, trackers=trackers) == [2, 0, 0]  # budget
+    for t in trackers:
+        t.observe("profile", 1, 4, widest=True)
+    for _ in range(4):  # four narrow steps, then due again
+        assert policy.choose([_menu() for _ in range(3)], context=0, budget=64, trackers=trackers) == [0, 0, 0]
+        for t in trackers:
+            t.observe("one-token", 1, 0)
+    assert policy.choose([_menu() for _ in range(3)], context=0, budget=64, trackers=trackers) == [2, 2, 2]
+    never = AdaptiveWidth(CostCurve(1.0, 0.2), explore_every=0)
+    assert never.choose([_menu()], context=0, budget=64, trackers=[never.tracker()]) == [0]
+
+
 def test_the_profile_bounds_every_class():
     for name in ("default", "small", "paper", "wide", "default-int4"):
         prof = resolve_profile(name)
@@ -74,7 +91,8 @@ def test_the_profile_bounds_every_class():
         assert caps[0] == ("one-token", ONE_TOKEN) and caps[-1][1] == StepCap(prof.window, prof.guesses, prof.lookup)
         for _, cap in caps:
             assert cap.window <= prof.window and cap.guesses <= prof.guesses and cap.lookup <= prof.lookup
-    assert [w for w, _ in width_caps(resolve_profile("default-int4"))] == ["one-token", "candidates"]
+    assert [w for w, _ in width_caps(resolve_profile("default-int4"))] == ["one-token", "profile"]
+    assert [w for w, _ in width_caps(resolve_profile("default"))] == ["one-token", "candidates", "profile"]
     assert [w for w, _ in width_caps(resolve_profile("paper"))] == ["one-token", "candidates", "half-window",
                                                                      "profile"]
 
@@ -82,14 +100,19 @@ def test_the_profile_bounds_every_class():
 # -- acceptance and the cost fit ------------------------------------------------------------------
 
 def test_acceptance_starts_at_the_prior_and_follows_the_request():
-    policy = AdaptiveWidth(CostCurve(1.0, 0.1), prior={"profile": 1.5})
+    policy = AdaptiveWidth(CostCurve(1.0, 0.1), prior={"profile": 0.5})
     a = policy.tracker()
-    assert a.expected("one-token") == 1.0 and a.expected("profile") == pytest.approx(1.5)
-    for _ in range(30):
-        a.observe("profile", 4)
-    assert 3.5 < a.expected("profile") < 4.0
+    assert a.expected("one-token", 10) == 1.0 and a.expected("profile", 0) == 1.0
+    assert a.expected("profile", 2) == pytest.approx(1 + 0.5 + 0.25)  # 1 + α + α²
+    for _ in range(30):  # every candidate token of a 4-deep trie accepted but the last: α → 3/4
+        a.observe("profile", 4, depth=4)
+    assert a.rate("profile") == pytest.approx(0.75, abs=0.03)
+    assert a.expected("profile", 10) > a.expected("profile", 2) > 2.0
     b = policy.tracker()  # a new request starts from what every request's recent steps gave
-    assert 1.5 < b.expected("profile") < a.expected("profile")
+    assert 0.5 < b.rate("profile") < a.rate("profile")
+    for _ in range(30):  # a request whose guesses never land
+        b.observe("profile", 1, depth=6)
+    assert b.expected("profile", 6) < 1.2
 
 
 def test_the_online_cost_curve_fits_measured_passes_and_ignores_preempted_ones():
@@ -116,6 +139,8 @@ def test_options_are_refused_in_one_line():
         CostCurve(1.0, -1)
     with pytest.raises(GenerationError, match=r"^margin must be in \[0, 10\), got -0.5$"):
         AdaptiveWidth(margin=-0.5)
+    with pytest.raises(GenerationError, match=r"^explore_every must be an integer ≥ 0, got 1.5$"):
+        AdaptiveWidth(explore_every=1.5)
     assert isinstance(make_policy("profile"), ProfileWidth) and isinstance(make_policy("adaptive"), AdaptiveWidth)
 
 
@@ -162,7 +187,7 @@ class RandomWidths(AdaptiveWidth):
         self.rng = np.random.default_rng(seed)
         self.lock = threading.Lock()
 
-    def choose(self, menus, context, budget):
+    def choose(self, menus, context, budget, trackers=None):
         with self.lock:
             return [int(self.rng.integers(len(m))) for m in menus]
 
@@ -218,3 +243,16 @@ def test_smollm2_adaptive_widths_keep_concurrent_requests_equal_to_their_solo_ru
     assert results[-1].stats.steps == solo[-1].stats.steps
     assert sum(scheduler.width_steps.values()) == sum(r.stats.steps for r in results)
     assert math.isfinite(scheduler.width_policy.cost(8, 256))
+
+
+def test_load_with_batching_takes_the_width_policy(stories_artifact):
+    import lade_export
+
+    model = lade_export.load(stories_artifact, batching=True)
+    assert isinstance(model.scheduler.width_policy, AdaptiveWidth)  # the default
+    model.close()
+    model = lade_export.load(stories_artifact, batching=True, width_policy="profile")
+    assert isinstance(model.scheduler.width_policy, ProfileWidth)
+    model.close()
+    with pytest.raises(GenerationError, match=r"^width_policy must be 'adaptive' or 'profile', got 'none'$"):
+        lade_export.load(stories_artifact, batching=True, width_policy="none")
