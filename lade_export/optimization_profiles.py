@@ -141,7 +141,10 @@ def optimization_profiles(profile: LookaheadProfile, dims, max_batch: int = 1, m
         max_batch: largest batch.
         max_prompt: longest prompt (default: half the context).
         max_context: context bound (default: the model's).
-        packed_rows, packed_tokens: bounds of the packed profile (see :func:`axis_ranges`).
+        packed_rows, packed_tokens: bounds of the packed profile (see :func:`axis_ranges`);
+            ``packed_tokens`` defaults to ``MAX_BATCH × dims.max_context``, the pool the
+            scheduler of ``lade_export.load(..., batching=True)`` sizes from the model's
+            context, so its passes fit even when ``max_context`` bounds the engines lower.
 
     Returns:
         ``{"prefill": {input: {"min": [...], "opt": [...], "max": [...]}}, "decode": {...},
@@ -150,6 +153,8 @@ def optimization_profiles(profile: LookaheadProfile, dims, max_batch: int = 1, m
     """
     max_context = max_context or dims.max_context
     max_prompt = max_prompt or max_context // 2
+    if packed_tokens is None:  # the scheduler's default pool is sized by the model's context, whatever the engines'
+        packed_tokens = packed_defaults(profile, dims.max_context)[1]
     ranges = axis_ranges(profile, max_batch, max_prompt, max_context, packed_rows, packed_tokens)
     inputs, _ = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab)
     result = {}

@@ -35,6 +35,7 @@ DOCUMENTED_ROWS = {
     "tensorrt-other-gpu": "test_an_engine_for_another_gpu_is_refused_unless_hardware_compatible",
     "tensorrt-profile-not-covered": "test_a_profile_no_engine_covers_is_refused_naming_the_limits",
     "tensorrt-step-not-covered": "test_each_step_runs_in_the_optimization_profile_that_covers_it",
+    "tensorrt-batching-beyond-packed": "test_batching_checks_the_scheduler_against_the_engines_packed_profile",
     "tensorrt-execution-failed": "test_an_execution_failure_is_an_engine_error",
     "tensorrt-reduced-parity": "test_a_reduced_precision_graph_beyond_its_bound_stops_the_build",
 }
@@ -875,3 +876,17 @@ def test_the_device_copy_follows_writes_the_engine_did_not_make():
     for _ in range(9):  # more writes than the log keeps: the whole cache again
         cache.rewrote(9)
     assert sync(latest) == (4 * 10 * row, 0)
+
+
+def test_batching_checks_the_scheduler_against_the_engines_packed_profile(art10, monkeypatch):
+    engine, _ = _engine(art10[0], monkeypatch)
+    assert engine.packed_limits == (512, 4096)  # max(token budget 64, prefill chunk 512, S); 8 requests × 512
+    engine.check_batching(64, 512, 4096)  # the scheduler's defaults on stories260K's context
+    for options in ((64, 600, 4096), (64, 512, 5000)):
+        with pytest.raises(GenerationError, match=r"^the scheduler's passes \(token budget 64, prefill chunk \d+, pool "
+                                                  r"of \d+ tokens\) exceed the TensorRT engines' packed profile \(512 "
+                                                  r"rows, 4096 pool tokens\): give the scheduler smaller options "
+                                                  r"\(Scheduler\(model.decoder, token_budget=…, prefill_chunk=…, "
+                                                  r"kv_tokens=…\)\) or rebuild the engines with a larger --max-context$"):
+            engine.check_batching(*options)
+    engine.close()

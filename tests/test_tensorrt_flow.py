@@ -136,3 +136,24 @@ def test_sanitized_graph_is_smaller_and_keeps_parity(tmp_path, stories_loaded, s
     # build slims by default: the artifact's graph is already the small one
     built = len(onnx.load(str(stories_artifact / "model.onnx")).graph.node)
     assert built <= counts["nodes_after"]
+
+
+def test_packed_profile_covers_the_schedulers_passes_over_its_pool():
+    """Batch 1, up to max(token budget 64, prefill chunk 512, S) rows over the scheduler's
+    default pool of 8 requests × the model's context, even when the engines' context is lower."""
+    shapes = optimization_profiles(LookaheadProfile(15, 5, 15), SMOLLM2, max_batch=4, max_prompt=1024,
+                                   max_context=2048)
+    packed = shapes["packed"]
+    assert list(shapes) == ["prefill", "decode", "packed"]
+    assert packed["input_ids"] == {"min": [1, 1], "opt": [1, 64], "max": [1, 512]}
+    assert packed["logits_positions"] == packed["input_ids"]
+    assert packed["past_key_values.0.key"] == {"min": [1, 0, 3, 64], "opt": [1, 4096, 3, 64],
+                                               "max": [1, 65535, 3, 64]}
+    assert packed["attention_mask"] == {"min": [1, 1, 1, 1], "opt": [1, 1, 64, 4160], "max": [1, 1, 512, 66047]}
+    wide = optimization_profiles(LookaheadProfile(40, 15, 40), SMOLLM2, max_context=2048)["packed"]
+    assert wide["input_ids"]["max"] == [1, 1 + 80 * 14]  # a lookahead step wider than the chunk runs alone
+    small = optimization_profiles(LookaheadProfile(2, 3, 2), STORIES, packed_rows=16, packed_tokens=100)["packed"]
+    assert small["input_ids"]["max"] == [1, 16] and small["past_key_values.0.key"]["max"] == [1, 99, 4, 8]
+    with pytest.raises(ProfileError, match=r"^packed rows must be ≥ the profile's largest step \(31 tokens; a step "
+                                           r"wider than the token budget runs alone\), got 16$"):
+        optimization_profiles(LookaheadProfile(5, 4, 5), STORIES, packed_rows=16)

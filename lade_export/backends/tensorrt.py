@@ -551,7 +551,9 @@ class TensorRTEngine:
         if max(token_budget, prefill_chunk) > rows or kv_tokens > tokens:
             raise GenerationError(f"the scheduler's passes (token budget {token_budget}, prefill chunk "
                                   f"{prefill_chunk}, pool of {kv_tokens} tokens) exceed the TensorRT engines' packed "
-                                  f"profile ({rows} rows, {tokens} pool tokens); give smaller options or rebuild")
+                                  f"profile ({rows} rows, {tokens} pool tokens): give the scheduler smaller options "
+                                  "(Scheduler(model.decoder, token_budget=…, prefill_chunk=…, kv_tokens=…)) or rebuild "
+                                  "the engines with a larger --max-context")
 
     def optimization_profile_for(self, feeds: dict) -> str | None:
         """``"ENGINE:PHASE"`` that :meth:`run` would use for ``feeds`` (None: not covered)."""
