@@ -2,7 +2,6 @@
 addresses, the path of the CUDA execution provider), run on the CPU provider with host
 memory standing in for the device: the same binding code, the same byte accounting."""
 
-import numpy as np
 import pytest
 
 from lade_export.profile import resolve_profile
