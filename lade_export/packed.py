@@ -11,25 +11,48 @@ Layout of a packed pass (computed here and nowhere else; the graph's contract is
   (a request's positions count its own tokens only: they are what it gets alone);
 * the pool — the KV cache of every active request in one buffer set of the engine's
   layout (:data:`lade_export.specs.KV_LAYOUTS`); column ``c < used`` belongs to the
-  request ``owner[c]``; ``past`` = ``used`` for the graph;
+  request ``owner[c]`` (−1: no request's); ``past`` = ``used`` for the graph;
 * ``attention_mask`` [1, 1, step, used + step] — item k's rows see the pool columns its
   request owns and, among this pass's columns ``used + o_k …``, only its own rows, with
   its step mask (block diagonal over the step); every other column is False;
 * ``logits_positions`` [1, n_logits] — ``o_k + logit_rows_k`` for every item, in order;
   item k reads ``next_token_ids[:, a_k : a_k + n_k]`` (``a_k`` = logit rows before it).
 
-After the pass, the kept rows of every item (increasing within an item, items in row
-order, so increasing overall) are moved to ``[used, used + kept)``, exactly as one
-request's :class:`~lade_export.kv_cache.KVCache` keeps its accepted rows; the only copy
-is of accepted tokens. A request that leaves frees its columns; the pool is compacted
-then (its live columns moved down in order, one copy of the live cache per leave), so a
-request alone in the pool sees the columns ``0 … n−1`` it would see alone.
-
 This needs no new graph input: any step graph built before (``onnx-ops`` and
 ``group-query-attention``, float32 or quantized) takes a packed pass, because the mask
-already isolates rows and the positions are per token. The price is attention work on
-columns a row cannot see (each row's scores span the whole pool); see
-:mod:`lade_export.scheduler` for the measurement and the bound on it.
+already isolates rows and the positions are per token.
+
+Where a request's columns go (:class:`TokenPool`) depends on what the engine's attention
+costs:
+
+* **regions** — int8-compute lade builds (``AttentionRows`` reading the cache in place and
+  skipping every 16-key block a row cannot see; :func:`attention_skips`): each request
+  gets at admission one contiguous region of prompt + max_new_tokens columns (first fit),
+  fills it in order and frees it whole when it leaves (nothing moves). The mask over the
+  pool has one run of True per request, so each row's attention costs the blocks of its
+  own request (plus one partly seen block at each end of its run); other requests'
+  regions and unused room cost a scan of the mask, not arithmetic. A row's bits are the
+  same wherever its region lies and whatever else the pool holds (masked keys add
+  nothing; ``tests/test_kernels.py``).
+* **compact** — every other engine (ONNX Runtime's ``GroupQueryAttention``, the standard
+  operators, int8 builds made before the kernels skipped): their attention spans every
+  column up to ``past``, so a gap would cost as much as a live token. After each pass the
+  kept rows of every item (increasing within an item, items in row order) are appended
+  at ``[used, used + kept)``, exactly as one request's :class:`~lade_export.kv_cache.KVCache`
+  keeps its accepted rows, so requests' columns interleave; a leave compacts the pool
+  (its live columns moved down in order, one copy of the live cache per leave), so a
+  request alone sees the columns ``0 … n−1`` it would see alone.
+
+Either way the only copy a pass makes is of accepted tokens. Measured with
+``bench/batched_step_options.py`` (``bench/results/serving-batched.md``, 2026-12-01
+section): on the int8 lade build, regions take a packed pass from 1.2–3.3× the
+per-request bound to 0.95–1.6× (contexts 128–384, B = 2–8; 2.1× at B = 8 × 1024 tokens,
+where reading eight requests' keys dominates), and the compact pool on that engine leaves
+no block to skip. On the float32 builds a pool with room costs the room's share of
+attention (0.97–1.07× the compact pool with 17–25% room, within that machine's noise) and
+can save nothing, and on ``group-query-attention`` graphs reserved room would count
+against the ``max_context`` columns their pool may hold: they keep the compact pool. See
+:mod:`lade_export.scheduler`.
 """
 
 from __future__ import annotations
