@@ -525,7 +525,6 @@ class Scheduler:
                 self.width_policy.observe_pass(step, context, engine_s)
         kept, done = [], []
         for req, it in items:
-            req.engine_s += engine_s
             rows = None
             if not req.ready:  # a prompt chunk: every row is kept
                 req.prefilled += it.width
@@ -533,6 +532,7 @@ class Scheduler:
                 if req.ready:
                     req.stats.prefill_s = time.perf_counter() - req.t0
             else:
+                req.engine_s += engine_s  # decode passes only: stats.host_s is decode time outside the engine
                 try:
                     verdict = req.state.update(req.layout, item_outputs(outputs, it))
                 except Exception as err:  # this request's host work failed: it alone ends

@@ -171,6 +171,35 @@ def test_an_engine_failure_fails_only_the_request_that_causes_it(stories_decoder
     assert scheduler.pool.used == 0
 
 
+class _SlowPrefill:
+    """The stories engine, 50 ms slower on every pass of more than one row (prompt chunks here)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+
+    def run(self, feeds, with_logits=False):
+        if feeds["input_ids"].shape[1] > 1:
+            time.sleep(0.05)
+        return self.engine.run(feeds, with_logits)
+
+
+def test_host_time_counts_decode_passes_only(stories_decoder, reference_greedy):
+    """stats.host_s is decode time outside the engine: the engine time of the passes that
+    prefilled the prompt (here 3 chunks, 150 ms) is not subtracted from the decode time
+    (it was, so a long prompt made host_s 0)."""
+    from lade_export.runtime import Decoder
+
+    decoder = Decoder(_SlowPrefill(stories_decoder.engine), stories_decoder.stop_token_ids,
+                      stories_decoder.max_context, stories_decoder.tokenizer)
+    scheduler = Scheduler(decoder, prefill_chunk=5)
+    result = scheduler.generate(reference_greedy["cases"][1]["prompt_ids"], 4)  # 14 prompt rows: 3 chunks
+    scheduler.close()
+    stats = result.stats
+    assert stats.steps == 4 and stats.prefill_s >= 0.15
+    assert 0 < stats.host_s < stats.decode_s
+
+
 def test_a_host_failure_fails_only_that_request(stories_decoder, reference_greedy, solo):
     class Flaky:
         """A cancel event that breaks on its third look."""
