@@ -319,9 +319,12 @@ class TokenPool:
             for o, rows in kept:
                 r = self._region[o]
                 at = r[0] + r[2]
+                # increasing rows without a gap (a greedy step, a prompt chunk): a slice, not a gather
+                src = slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) and rows[-1] - rows[0] == len(rows) - 1 \
+                    else rows
                 for i in range(self.dims.num_layers):
-                    self.cache.keys[i][:, at:at + len(rows)] = outputs[present_key_name(i)][:, rows]
-                    self.cache.values[i][:, at:at + len(rows)] = outputs[present_value_name(i)][:, rows]
+                    self.cache.keys[i][:, at:at + len(rows)] = outputs[present_key_name(i)][:, src]
+                    self.cache.values[i][:, at:at + len(rows)] = outputs[present_value_name(i)][:, src]
                 self.cache.rewrote(at)  # for engines that keep a copy of the pool on a device
                 r[2] += len(rows)
             self._reshape()
