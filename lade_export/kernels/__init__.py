@@ -26,8 +26,9 @@ a row is skipped for that row (no score, no exp): a row costs the blocks it sees
 what lets a packed pass over the scheduler's pool cost each request its own columns
 (:mod:`lade_export.packed`, regions). Every key's score and exp are the same operations in a
 vector lane or alone, so skipping changes no bit of any row. With an in-place cache, the keys
-of the blocks some row sees are first copied into ``[D, 16]`` tiles (per calling thread, up to
-``P × KV × D`` floats kept for the next call). Graphs carrying ``past_layout=1`` say so in
+of the blocks some row sees are first copied into ``[D, 16]`` tiles, one per seen block (a
+buffer per calling thread of ``B × KV × seen blocks × D × 16`` floats, kept for the next call:
+it follows the columns the pass's requests own, not the pool's size). Graphs carrying ``past_layout=1`` say so in
 their ONNX metadata (``attention_skips_masked = 16``, read by
 :func:`lade_export.packed.attention_skips`).
 

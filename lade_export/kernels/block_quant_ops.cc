@@ -869,8 +869,9 @@ struct AttnJob {
   bool in_place;  // past_layout 1: PK, PV sequence-major [B, P, KV, D]
   const uint8_t* seen;  // [B·S, nb_p + nb_s]: 1 where step row t sees some key of the 16-column block
   int64_t nb_p, nb_s;
-  float* tiles;  // in_place: [B, KV, nb_p, D, 16], the cache's keys of the blocks some row sees
-  const uint8_t* needed;  // in_place: [B, nb_p], blocks some row of batch b sees
+  float* tiles;  // in_place: [B, KV, n_tiles, D, 16], the cache's keys of the blocks some row sees
+  const int32_t* slot;  // in_place: [B, nb_p], the tile of a block some row of batch b sees, else −1
+  int64_t n_tiles;  // in_place: most blocks seen in one batch entry
 };
 
 constexpr int64_t kKeys = 16;  // key columns per block
@@ -936,12 +937,12 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
     const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
     // keys of block i, element e, column c: cols[(i·D + e)·stride + c] (tiles: stride 16) or, head-major, keys[e·n + 16i + c]
     const bool tiled = !part && job.in_place;
-    const float* keys = tiled ? job.tiles + (bi * kv + h) * blocks * d * kKeys
+    const float* keys = tiled ? job.tiles + (bi * kv + h) * job.n_tiles * d * kKeys
                               : (part ? job.k : job.pk) + (bi * kv + h) * d * n;
     for (int64_t i = 0; i < blocks; ++i) {
       if (!seen[(part ? job.nb_p : 0) + i]) continue;
       const int64_t j0 = i * kKeys, width = std::min(kKeys, n - j0);
-      const float* col = tiled ? keys + i * d * kKeys : keys + j0;
+      const float* col = tiled ? keys + job.slot[bi * job.nb_p + i] * d * kKeys : keys + j0;
       const int64_t stride = tiled ? kKeys : n;
 #ifdef LADE_X86
       if (WIDE) {
@@ -1039,10 +1040,11 @@ __attribute__((target("avx512f")))
 void tiles_of(const AttnJob& job, int64_t task) {
   const int64_t chunks = (job.nb_p + kTileTasks - 1) / kTileTasks, d = job.d, kv = job.kv;
   const int64_t bi = task / (kv * chunks), h = (task / chunks) % kv, first = (task % chunks) * kTileTasks;
-  float* tiles = job.tiles + (bi * kv + h) * job.nb_p * d * kKeys;
+  float* tiles = job.tiles + (bi * kv + h) * job.n_tiles * d * kKeys;
   for (int64_t i = first; i < std::min(job.nb_p, first + kTileTasks); ++i) {
-    if (!job.needed[bi * job.nb_p + i]) continue;
-    float* tile = tiles + i * d * kKeys;
+    const int32_t at = job.slot[bi * job.nb_p + i];
+    if (at < 0) continue;
+    float* tile = tiles + at * d * kKeys;
     const int64_t j0 = i * kKeys, width = std::min(kKeys, job.p - j0);
     const float* keys = job.pk + ((bi * job.p + j0) * kv + h) * d;  // key j0 + c, element e: keys[c·KV·D + e]
 #ifdef LADE_X86
@@ -1121,24 +1123,32 @@ struct AttentionKernel {
       const int64_t nb_p = (p + kKeys - 1) / kKeys, nb_s = (s + kKeys - 1) / kKeys, total = p + s;
       const bool* m = masked.GetTensorData<bool>();
       // per step row: which blocks of 16 columns it sees (shared by every head and query group)
-      thread_local std::vector<uint8_t> seen, needed;
+      thread_local std::vector<uint8_t> seen;
+      thread_local std::vector<int32_t> slot;
       thread_local std::vector<float> tiles;
       seen.assign(static_cast<size_t>(b * s * (nb_p + nb_s)), 0);
-      needed.assign(static_cast<size_t>(b * nb_p), 0);
+      slot.assign(static_cast<size_t>(b * nb_p), -1);
       for (int64_t bt = 0; bt < b * s; ++bt) {
         const bool* row = m + bt * total;
         uint8_t* flags = seen.data() + bt * (nb_p + nb_s);
         for (int64_t i = 0; i < nb_p; ++i)
-          if ((flags[i] = block_seen(row + i * kKeys, std::min(kKeys, p - i * kKeys)))) needed[(bt / s) * nb_p + i] = 1;
+          if ((flags[i] = block_seen(row + i * kKeys, std::min(kKeys, p - i * kKeys)))) slot[(bt / s) * nb_p + i] = 0;
         for (int64_t i = 0; i < nb_s; ++i)
           flags[nb_p + i] = block_seen(row + p + i * kKeys, std::min(kKeys, s - i * kKeys));
       }
-      if (in_place) tiles.resize(static_cast<size_t>(b * kv * nb_p * d * kKeys));
+      int64_t n_tiles = 0;  // tiles only for the blocks seen: memory follows the pass's requests, not the pool
+      for (int64_t bi = 0; bi < b; ++bi) {
+        int32_t count = 0;
+        for (int64_t i = 0; i < nb_p; ++i)
+          if (slot[bi * nb_p + i] == 0) slot[bi * nb_p + i] = count++;
+        n_tiles = std::max<int64_t>(n_tiles, count);
+      }
+      if (in_place) tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
       AttnJob job{q.GetTensorData<float>(), pk.GetTensorData<float>(), k.GetTensorData<float>(),
                   pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
                   b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>(),
-                  in_place, seen.data(), nb_p, nb_s, in_place ? tiles.data() : nullptr, needed.data()};
-      if (in_place && b * kv * nb_p)
+                  in_place, seen.data(), nb_p, nb_s, in_place ? tiles.data() : nullptr, slot.data(), n_tiles};
+      if (in_place && b * kv * n_tiles)
         ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
       if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
       return nullptr;
