@@ -455,6 +455,16 @@ class Scheduler:
             rows += n
         return items
 
+    def _attended(self, cache_lens: list) -> int:
+        """The cached tokens a row of this pass attends over, for the step-cost curve's
+        ``rows × context`` term: the whole pool when every row's scores span it (the compact
+        pool), else (regions on an engine whose attention skips masked key blocks) the mean
+        cache length of the pass's requests, since a row then pays its own request's columns
+        only."""
+        if not self.pool.regions or not cache_lens:
+            return self.pool.used
+        return int(round(sum(cache_lens) / len(cache_lens)))
+
     def _narrow(self, steps: list) -> list:
         """The adaptive width policy's choice for this pass: each greedy lookahead
         request's prepared profile step is replaced by the class the policy picks
@@ -482,7 +492,8 @@ class Scheduler:
                     tokens = max(tokens, menu[-1].tokens)
                 menu.append(Option(width, cap, step, tokens))
             menus.append(menu)
-        picks = policy.choose(menus, self.pool.used, self.token_budget, [req.acceptance for req in steps])
+        picks = policy.choose(menus, self._attended([req.cache_len for req in steps]), self.token_budget,
+                              [req.acceptance for req in steps])
         kept = []
         for req, menu, k in zip(steps, menus, picks):
             opt = menu[k]
@@ -504,7 +515,7 @@ class Scheduler:
         feeds = pack([it for _, it in items], self.pool.owner)
         feeds.update(self.pool.feeds())
         with_logits = any(req.ready and req.state.needs_logits for req, _ in items)
-        context = self.pool.used
+        context = self._attended([req.cache_len for req, _ in items])
         te = time.perf_counter()
         try:
             outputs = self.engine.run(feeds, with_logits=with_logits)

@@ -40,8 +40,10 @@ other). Requests without lookahead are one-token steps.
 Inputs:
 
 * **The step-cost curve** ``cost(rows, context) = a + b·rows + c·rows·context`` seconds
-  for a pass of ``rows`` rows over a pool of ``context`` cached tokens (the packed pass
-  attends every row over the whole pool, so attention grows with rows × pool).
+  for a pass of ``rows`` rows whose rows attend over ``context`` cached tokens: the whole
+  pool where every row's scores span it (the compact pool), the pass's mean request cache
+  length where each request holds a region and the engine's attention skips the others'
+  (``Scheduler._attended``).
   :class:`OnlineCostCurve` fits it online from the scheduler's own decode passes (rows,
   pool tokens, ``engine_s``), not from probe passes at load: probes would lengthen every
   load, and on a shared machine a few probes measure the neighbours' load of that moment,
