@@ -492,8 +492,11 @@ class Scheduler:
                     tokens = max(tokens, menu[-1].tokens)
                 menu.append(Option(width, cap, step, tokens))
             menus.append(menu)
-        picks = policy.choose(menus, self._attended([req.cache_len for req in steps]), self.token_budget,
-                              [req.acceptance for req in steps])
+        if all(len(menu) == 1 for menu in menus):  # nothing to narrow (greedy, sampled, no candidates)
+            picks = [0] * len(menus)
+        else:
+            picks = policy.choose(menus, self._attended([req.cache_len for req in steps]), self.token_budget,
+                                  [req.acceptance for req in steps])
         kept = []
         for req, menu, k in zip(steps, menus, picks):
             opt = menu[k]

@@ -53,7 +53,7 @@ Inputs:
   the lade int8 kernels' curve on SmolLM2 at 256 and 1024 cached tokens in
   ``bench/results/step-costs.md``), scaled to the measured seconds. The fit is weighted
   least squares over the last 256 decode passes plus the prior's pseudo-passes, refitted
-  every 16 passes, with passes more than 3 MADs above the fit dropped (a preempted pass
+  after 2, 4, 8 … passes and then every 64, lazily (when a choice needs it), with passes more than 3 MADs above the fit dropped (a preempted pass
   on a shared machine) and coefficients kept ≥ 0. :class:`CostCurve` is a fixed curve
   (deterministic: tests inject one).
 * **Acceptance**: per request and width class, the chance ``α`` that a candidate token
@@ -183,13 +183,15 @@ class OnlineCostCurve(CostCurve):
     Args:
         prior: ``(a, b, c)`` shape in any unit (scaled to the measurements).
         samples: measured passes kept (the most recent).
-        refit_every: passes between fits.
+        refit_every: new passes before the curve is refitted; fits are lazy (when the
+            curve is next evaluated), so a scheduler whose requests have nothing to narrow
+            (plain greedy or sampled requests only) never pays for one.
         prior_weight: total weight of the prior's pseudo-passes, in passes.
     """
 
     _GRID = [(r, ctx) for r in (1, 2, 4, 8, 16, 32, 64) for ctx in (0, 512, 2048)]
 
-    def __init__(self, prior=PRIOR_COST, *, samples: int = 256, refit_every: int = 16, prior_weight: float = 8.0):
+    def __init__(self, prior=PRIOR_COST, *, samples: int = 256, refit_every: int = 64, prior_weight: float = 8.0):
         super().__init__(*prior)
         self.prior = tuple(float(v) for v in prior)
         self.samples: deque = deque(maxlen=samples)
@@ -204,9 +206,13 @@ class OnlineCostCurve(CostCurve):
             return
         self.samples.append((rows, context, seconds))
         self._since += 1
-        if self._since >= self.refit_every or len(self.samples) == 2:
+
+    def __call__(self, rows: int, context: int = 0) -> float:
+        # Due when the new passes are half of those kept (fits at 2, 4, 8 … passes) or refit_every.
+        if self._since and self._since >= min(self.refit_every, max(1, len(self.samples) // 2)):
             self._since = 0
             self.refit()
+        return super().__call__(rows, context)
 
     def refit(self) -> None:
         """Refit ``a, b, c`` to the kept passes and the scaled prior."""

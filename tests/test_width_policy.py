@@ -132,6 +132,23 @@ def test_the_online_cost_curve_fits_measured_passes_and_ignores_preempted_ones()
     assert min(curve.a, curve.b, curve.c) >= 0
 
 
+def test_the_online_cost_curve_fits_lazily_when_a_choice_needs_it():
+    curve = OnlineCostCurve(refit_every=64)
+    prior = (curve.a, curve.b, curve.c)
+    for rows in range(1, 101):  # passes of a scheduler with nothing to narrow: no fit is paid for
+        curve.observe(rows % 17 + 1, 100, 0.010 + 0.002 * (rows % 17 + 1))
+    assert (curve.a, curve.b, curve.c) == prior
+    assert curve(1, 100) == pytest.approx(0.012, rel=0.05)  # evaluated: fitted to the 100 passes first
+    fitted = (curve.a, curve.b, curve.c)
+    for _ in range(63):
+        curve.observe(1, 100, 0.05)
+    curve(1, 100)
+    assert (curve.a, curve.b, curve.c) == fitted  # 63 new passes < refit_every
+    curve.observe(1, 100, 0.05)
+    curve(1, 100)
+    assert (curve.a, curve.b, curve.c) != fitted
+
+
 def test_options_are_refused_in_one_line():
     with pytest.raises(GenerationError, match=r"^width_policy must be 'adaptive' or 'profile', got 'wide'$"):
         make_policy("wide")
