@@ -217,7 +217,8 @@ class LookaheadState(GreedyState):
                 None: the profile's full step.
         """
         window = self.profile.window if cap is None else min(max(cap.window, 0), self.profile.window)
-        tokens, parents, _ = build_trie(self.candidates(last_token, cap))
+        bare = cap is not None and window == 0 and cap.guesses <= 0 and cap.lookup <= 0
+        tokens, parents, _ = build_trie([] if bare else self.candidates(last_token, cap))  # bare: one token
         offsets, mask, logit_rows = step_template(window, self.levels, parents)
         columns = self.window if window == self.profile.window else self.window[:, :window]
         ids = np.concatenate([[last_token], columns.reshape(-1), tokens]).astype(np.int64)

@@ -470,6 +470,11 @@ class Scheduler:
         request's prepared profile step is replaced by the class the policy picks
         (:mod:`lade_export.width_policy`); other requests keep theirs. Returns the
         requests still stepping (one whose narrowed ``prepare`` raises fails alone)."""
+        if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
+            req, lay = steps[0], steps[0].layout
+            req.depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if len(lay.trie_tokens) else 0
+            req.widest = True
+            return steps
         policy = self.width_policy
         menus = []
         for req in steps:

@@ -71,7 +71,10 @@ Inputs:
   W ≤ 1 anyway: their tokens come mostly from history lookup and the pool's verified
   n-grams, which every accepted token still feeds.)
 
-Decision (:meth:`AdaptiveWidth.choose`), per pass: start every request at its narrowest
+Decision (:meth:`AdaptiveWidth.choose`), per pass with more than one decode step (a request
+alone in its pass runs its profile's step, exactly what it does without a scheduler:
+its profile was chosen for a lone request, and the myopic estimate below would undervalue
+its window): start every request at its narrowest
 class (greedy requests at a one-token step: batched greedy), then repeatedly widen the
 request whose next class adds the most expected tokens per extra second of the pass,
 while that marginal rate beats the pass's current tokens per second by ``margin`` (5%)
