@@ -502,7 +502,11 @@ class OpenAIServer:
             return json.loads(bytes(data).decode("utf-8"), parse_constant=refuse_constant)
         except UnicodeDecodeError:
             raise _bad("the request body is not UTF-8") from None
+        except RecursionError:
+            raise _bad("the request body is not valid JSON: nested too deeply") from None
         except ValueError as err:
+            if "integer string conversion" in str(err):  # Python's int digit limit, not the client's concern
+                raise _bad("the request body is not valid JSON: a number has too many digits") from None
             raise _bad(f"the request body is not valid JSON: {err}") from None
 
     async def _acquire(self) -> None:
