@@ -176,41 +176,28 @@ class LlamaServer:
 
 
 def run_level(server: LlamaServer, prompt_ids: list[list[int]], concurrency: int, total: int, max_new_tokens: int):
-    """One closed loop against ``server`` (as ``serve_batched.run_level``): ``concurrency``
-    client threads, ``total`` requests; returns per-request records and the wall time (s)."""
-    records = [None] * total
-    counter = iter(range(total))
-    lock = threading.Lock()
+    """One closed loop against ``server`` (:func:`serve_load.closed_loop`, as
+    ``serve_batched.run_level``): returns per-request records and the wall time (s)."""
+    from serve_load import closed_loop
 
-    def client():
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            t_send = time.perf_counter()
-            marks = []
-            gen = server.stream(prompt_ids[i % len(prompt_ids)], max_new_tokens)
-            ids = []
-            try:
-                while True:
-                    marks.append(next(gen))
-            except StopIteration as done:
-                ids = done.value or []
-            counted = [(t, k) for t, k in marks if k]
-            first = counted[0][0] if counted else marks[-1][0]
-            later = sum(k for _, k in counted[1:])
-            records[i] = {"prompt": i % len(prompt_ids), "ids": ids, "ttft_s": first - t_send,
-                          "tpot_s": (counted[-1][0] - first) / later if later else None,
-                          "steps": max(len(counted), 1)}
+    def send(ids_in, _state):
+        t_send = time.perf_counter()
+        marks = []
+        gen = server.stream(ids_in, max_new_tokens)
+        ids = []
+        try:
+            while True:
+                marks.append(next(gen))
+        except StopIteration as done:
+            ids = done.value or []
+        counted = [(t, k) for t, k in marks if k]
+        first = counted[0][0] if counted else marks[-1][0]
+        later = sum(k for _, k in counted[1:])
+        return {"ids": ids, "ttft_s": first - t_send, "tpot_s": (counted[-1][0] - first) / later if later else None,
+                "steps": max(len(counted), 1)}
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return records, time.perf_counter() - t0
+    return closed_loop(send, prompt_ids, concurrency, total)
+
 
 
 def chat_stream(client, model: str, messages: list[dict], max_tokens: int, extra_body: dict | None = None) -> dict:

@@ -35,14 +35,13 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import llama_server_peer  # noqa: E402
-from serve_load import percentile  # noqa: E402
+from serve_load import closed_loop, percentile  # noqa: E402
 
 CHAT = Path(__file__).resolve().parent / "prompts" / "chat.jsonl"
 
@@ -55,37 +54,22 @@ def chat_prompts(first: int, count: int) -> list[str]:
 
 
 def run_level(model, prompts, concurrency, total, max_new_tokens, profile, lookahead):
-    """One closed loop; returns per-request records and the wall time."""
-    records = [None] * total
-    counter = iter(range(total))
-    lock = threading.Lock()
+    """One closed loop (:func:`serve_load.closed_loop`); returns per-request records and the wall time."""
 
-    def client():
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            t_send = time.perf_counter()
-            marks, ids = [], []
-            stream = model.stream(prompts[i % len(prompts)], max_new_tokens=max_new_tokens, profile=profile,
-                                  lookahead=lookahead)
-            for chunk in stream:
-                marks.append((time.perf_counter(), len(chunk.token_ids)))
-                ids += chunk.token_ids
-            first = next(j for j, (_, k) in enumerate(marks) if k)
-            later = sum(k for _, k in marks[first + 1:])
-            records[i] = {"prompt": i % len(prompts), "ids": ids, "ttft_s": marks[first][0] - t_send,
-                          "tpot_s": (marks[-1][0] - marks[first][0]) / later if later else None,
-                          "steps": stream.result.stats.steps}
+    def send(prompt, _state):
+        t_send = time.perf_counter()
+        marks, ids = [], []
+        stream = model.stream(prompt, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead)
+        for chunk in stream:
+            marks.append((time.perf_counter(), len(chunk.token_ids)))
+            ids += chunk.token_ids
+        first = next(j for j, (_, k) in enumerate(marks) if k)
+        later = sum(k for _, k in marks[first + 1:])
+        return {"ids": ids, "ttft_s": marks[first][0] - t_send,
+                "tpot_s": (marks[-1][0] - marks[first][0]) / later if later else None,
+                "steps": stream.result.stats.steps}
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return records, time.perf_counter() - t0
+    return closed_loop(send, prompts, concurrency, total)
 
 
 def summarize(records, wall, reference, scheduler=None, before=None) -> dict:

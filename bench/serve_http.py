@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_server_peer import DEFAULT_BIN, LlamaServer, chat_stream  # noqa: E402
 from serve_batched import chat_prompts  # noqa: E402
-from serve_load import percentile  # noqa: E402
+from serve_load import closed_loop, percentile  # noqa: E402
 
 DEFAULT_ARTIFACT = "/work/artifacts/smollm2-lade-int8"
 MODES = ("in-process", "serve", "llama-server", "llama-server-ngram")
@@ -168,46 +168,6 @@ def in_process_request(model, messages, max_new_tokens, lookahead) -> dict:
             "tpot_s": (t_end - t_first) / (n - 1) if n > 1 else None,
             "completion_tokens": n, "prompt_tokens": None, "finish_reason": stream.result.stop_reason,
             "chunks": len(parts), "lookahead": {"steps": stats.steps, "compression": stats.compression_ratio}}
-
-
-def closed_loop(send, messages, concurrency: int, total: int):
-    """``concurrency`` threads, each calling ``send(messages[i % len], client_state)`` for the
-    next request index until ``total`` are done; returns (records, wall seconds).
-
-    ``send`` is ``(messages, state) -> record``; ``state`` is a per-thread dict (e.g. for an
-    HTTP client kept across the thread's requests). The first exception stops the run and
-    is raised."""
-    records = [None] * total
-    counter = iter(range(total))
-    lock = threading.Lock()
-    errors = []
-
-    def client():
-        state = {}
-        try:
-            while not errors:
-                with lock:
-                    i = next(counter, None)
-                if i is None:
-                    return
-                record = send(messages[i % len(messages)], state)
-                record["prompt"] = i % len(messages)
-                records[i] = record
-        except BaseException as err:  # noqa: BLE001 - reported by the caller
-            errors.append(err)
-        finally:
-            if "client" in state:
-                state["client"].close()
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return records, time.perf_counter() - t0
 
 
 def summarize(records, wall, reference) -> dict:

@@ -29,6 +29,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -49,6 +50,48 @@ def percentile(values, q):
     k = (len(xs) - 1) * q / 100
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def closed_loop(send, items, concurrency: int, total: int):
+    """A closed loop: ``concurrency`` threads, each calling ``send(items[i % len(items)],
+    state)`` for the next request index ``i`` until ``total`` requests are done (a new one
+    starts as soon as one ends); returns (records in request order, wall seconds).
+
+    ``send`` is ``(item, state) -> record`` (a dict; its ``"prompt"`` is set to
+    ``i % len(items)``); ``state`` is a per-thread dict (e.g. an HTTP client kept across the
+    thread's requests: ``state["client"]`` is closed when the thread ends). The first
+    exception stops the run and is raised."""
+    records = [None] * total
+    counter = iter(range(total))
+    lock = threading.Lock()
+    errors = []
+
+    def client():
+        state = {}
+        try:
+            while not errors:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                record = send(items[i % len(items)], state)
+                record["prompt"] = i % len(items)
+                records[i] = record
+        except BaseException as err:  # noqa: BLE001 - reported by the caller
+            errors.append(err)
+        finally:
+            if "client" in state:
+                state["client"].close()
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records, time.perf_counter() - t0
 
 
 def machine() -> dict:
