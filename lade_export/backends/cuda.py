@@ -204,6 +204,20 @@ class HostMemory:
         self._arrays.clear()
 
 
+def grow_buffer(memory, buffers: dict, key: str, nbytes: int) -> DeviceBuffer:
+    """``buffers[key]``, a device buffer of at least ``nbytes`` bytes from ``memory``
+    (:class:`CudaDevice` or :class:`HostMemory`): reused while big enough, else freed and
+    replaced by one of ``max(nbytes, 2 × old size)`` bytes (doubling, so a growing context
+    reallocates O(log n) times). Contents are not kept across a replacement."""
+    buf = buffers.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        if buf is not None:
+            memory.free(buf)
+        buf = memory.allocate(max(nbytes, 2 * buf.nbytes) if buf is not None else nbytes)
+        buffers[key] = buf
+    return buf
+
+
 def contiguous_runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
     """``[(first source row, first destination row, count)]`` of the rows ``rows[j] → j``:
     one copy per run of consecutive source rows."""

@@ -208,15 +208,6 @@ class OrtEngine:
                 self._bindings.pop(next(iter(self._bindings)))
         return out
 
-    def _device_buffer(self, name: str, nbytes: int):
-        buf = self._device_buffers.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                self.device_memory.free(buf)
-            buf = self.device_memory.allocate(max(nbytes, 2 * buf.nbytes) if buf is not None else nbytes)
-            self._device_buffers[name] = buf
-        return buf
-
     def _run_device(self, feeds: dict, with_logits: bool, cache) -> dict:
         """``run`` with the cache in device memory (ONNX Runtime I/O binding,
         ``bind_input``/``bind_output`` at device addresses): the cache's device copy
@@ -225,7 +216,7 @@ class OrtEngine:
         device, other writes uploaded — then only ``input_ids``, ``position_ids``,
         ``attention_mask`` and ``logits_positions`` are uploaded; the outputs
         (``next_token_ids``, ``present.*``, ``logits`` when asked) are copied back."""
-        from .cuda import KVMirror
+        from .cuda import KVMirror, grow_buffer
 
         memory, device = self.device_memory, self._bind_device
         with self._device_lock:
@@ -246,7 +237,7 @@ class OrtEngine:
                 if name in mirror.offsets:
                     continue
                 array = np.ascontiguousarray(value)
-                buf = self._device_buffer(name, array.nbytes)
+                buf = grow_buffer(memory, self._device_buffers, name, array.nbytes)
                 memory.upload(buf, array)
                 hold.append(array)
                 binding.bind_input(name, device, 0, array.dtype, array.shape, buf.ptr)
@@ -261,7 +252,7 @@ class OrtEngine:
             out, bufs = {}, {}
             for name, (shape, dtype) in shapes.items():
                 out[name] = np.empty(shape, dtype)
-                bufs[name] = self._device_buffer(name, out[name].nbytes)
+                bufs[name] = grow_buffer(memory, self._device_buffers, name, out[name].nbytes)
                 binding.bind_output(name, device, 0, dtype, shape, bufs[name].ptr)
             memory.synchronize()  # the uploads and moves are queued on another stream than ONNX Runtime's
             try:

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, BackendUnavailableError, EngineError, GenerationError, ProfileError
+from .cuda import grow_buffer
 
 SUPPORTED_MAJORS = (10, 11)
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -579,15 +580,6 @@ class TensorRTEngine:
 
     # -- running -------------------------------------------------------------------------
 
-    def _buffer(self, key: str, nbytes: int):
-        buf = self._buffers.get(key)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                self.cuda.free(buf)
-            buf = self.cuda.allocate(max(nbytes, 2 * buf.nbytes) if buf is not None else nbytes)
-            self._buffers[key] = buf
-        return buf
-
     def _mirror(self, plan: _Plan, feeds: dict):
         """The device copy of the host cache behind ``feeds`` (created on first use), or
         None when the feeds do not come from a :class:`~lade_export.kv_cache.KVCache` of
@@ -662,7 +654,7 @@ class TensorRTEngine:
                 if on_device:
                     address = mirror.address(name)
                 else:
-                    buf = self._buffer(name, array.nbytes)
+                    buf = grow_buffer(self.cuda, self._buffers, name, array.nbytes)
                     self.cuda.upload(buf, array)
                     hold.append(array)
                     address = buf.ptr
@@ -674,7 +666,7 @@ class TensorRTEngine:
                 if any(d < 0 for d in shape):
                     raise EngineError(f"TensorRT could not infer the shape of output {name} in {where}: {list(shape)}")
                 host = np.empty(shape, plan.dtypes[name])
-                buf = self._buffer(name, host.nbytes)
+                buf = grow_buffer(self.cuda, self._buffers, name, host.nbytes)
                 if not ctx.set_tensor_address(name, buf.ptr):
                     raise EngineError(f"TensorRT rejected the device address of {name} in {where}")
                 outputs[name] = (host, buf)
