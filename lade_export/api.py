@@ -28,7 +28,8 @@ from .sampling import SamplingParams, is_integer_number
 
 def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
          verify: str | bool = "quick", dtype: str = "float32", batching: bool = False,
-         width_policy: str | None = None) -> "Model":
+         width_policy: str | None = None, max_batch: int | None = None, token_budget: int | None = None,
+         kv_tokens: int | None = None) -> "Model":
     """Open a built artifact and its engine.
 
     Args:
@@ -50,6 +51,9 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
         width_policy: the scheduler's option of that name (``batching`` only): how wide
             lookahead steps are under load, ``"adaptive"`` or ``"profile"``
             (:mod:`lade_export.width_policy`); None: the scheduler's default.
+        max_batch, token_budget, kv_tokens: the scheduler's options of those names
+            (``batching`` only): requests in flight at once, rows of a pass that holds
+            decode steps, most tokens its KV pool holds; None: the scheduler's defaults.
 
     Raises:
         ArtifactError: not a build, another schema version, or a damaged file.
@@ -64,7 +68,9 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
     artifact = Artifact(artifact_dir, verify=verify)
     tokenizer = artifact.tokenizer()
     engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
-    model = Model(artifact, tokenizer, engine, batching=batching, width_policy=width_policy)
+    options = {k: v for k, v in (("width_policy", width_policy), ("max_batch", max_batch),
+                                 ("token_budget", token_budget), ("kv_tokens", kv_tokens)) if v is not None}
+    model = Model(artifact, tokenizer, engine, batching=batching, scheduler_options=options)
     if batching and backend == "tensorrt":  # the scheduler's passes must fit the engines' packed profile
         s = model.scheduler
         try:
@@ -131,7 +137,8 @@ class Model:
         load_s: seconds :func:`load` took.
     """
 
-    def __init__(self, artifact: Artifact, tokenizer, engine, batching: bool = False, width_policy: str | None = None):
+    def __init__(self, artifact: Artifact, tokenizer, engine, batching: bool = False,
+                 scheduler_options: dict | None = None):
         self.artifact = artifact
         self.tokenizer = tokenizer
         self.engine = engine
@@ -143,7 +150,7 @@ class Model:
         if batching:
             from .scheduler import Scheduler
 
-            self.scheduler = Scheduler(self.decoder, **({} if width_policy is None else {"width_policy": width_policy}))
+            self.scheduler = Scheduler(self.decoder, **(scheduler_options or {}))
 
     def encode(self, prompt, chat: bool | None = None, *, parse_special_in_messages: bool = False) -> list[int]:
         """Prompt token ids.

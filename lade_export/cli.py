@@ -903,7 +903,6 @@ def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max
 
     from . import load
     from .errors import ServingError
-    from .scheduler import Scheduler
     from .serving.openai_api import OpenAIServer, ServerConfig, bind, run
 
     api_key = None
@@ -914,11 +913,8 @@ def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max
                                "or empty; set it to the key clients must send")
     sock = bind(host, port)
     try:
-        model = load(artifact_dir, batching=True, threads=threads)
-        if model.scheduler.max_batch != max_concurrent:  # every running request gets a place in the passes
-            policy = model.scheduler.width_policy
-            model.scheduler.close()
-            model.scheduler = Scheduler(model.decoder, max_batch=max_concurrent, width_policy=policy)
+        # every running request gets a place in the passes
+        model = load(artifact_dir, batching=True, threads=threads, max_batch=max_concurrent)
         profiles = {}
         for value in profile_values or (None,):
             prof = model.resolve_profile(value)

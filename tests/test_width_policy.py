@@ -273,3 +273,14 @@ def test_load_with_batching_takes_the_width_policy(stories_artifact):
     model.close()
     with pytest.raises(GenerationError, match=r"^width_policy must be 'adaptive' or 'profile', got 'none'$"):
         lade_export.load(stories_artifact, batching=True, width_policy="none")
+
+
+def test_load_with_batching_takes_the_schedulers_options(stories_artifact):
+    import lade_export
+
+    model = lade_export.load(stories_artifact, batching=True, max_batch=3, token_budget=32, kv_tokens=600)
+    s = model.scheduler
+    assert (s.max_batch, s.token_budget, s.kv_tokens) == (3, 32, 600)
+    model.close()
+    with pytest.raises(GenerationError, match=r"^max_batch must be an integer ≥ 1, got 0$"):
+        lade_export.load(stories_artifact, batching=True, max_batch=0)

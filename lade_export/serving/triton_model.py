@@ -67,16 +67,13 @@ class TritonPythonModel:
             artifact = Path(self.settings.artifact_dir)
             if not artifact.is_absolute():
                 artifact = Path(args["model_repository"]) / args["model_version"] / artifact
+            batching = self.settings.batching
+            scheduler = dict(token_budget=self.settings.token_budget, max_batch=self.settings.max_concurrent_requests,
+                             kv_tokens=self.settings.kv_tokens or None) if batching else {}
             self.model = lade_export.load(artifact, backend=self.settings.backend, threads=self.settings.threads or None,
-                                          device=self.settings.device, verify=self.settings.verify)
-            self.scheduler = None
-            if self.settings.batching:
-                from lade_export.scheduler import Scheduler
-
-                self.scheduler = Scheduler(self.model.decoder, token_budget=self.settings.token_budget,
-                                           max_batch=self.settings.max_concurrent_requests,
-                                           kv_tokens=self.settings.kv_tokens or None)
-                self.model.scheduler = self.scheduler  # Model.stream and Model.close use it
+                                          device=self.settings.device, verify=self.settings.verify, batching=batching,
+                                          **scheduler)
+            self.scheduler = self.model.scheduler  # None without batching
         except LadeError as err:
             raise pb_utils.TritonModelException(str(err)) from None
         self.closing = threading.Event()
