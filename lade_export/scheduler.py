@@ -470,20 +470,19 @@ class Scheduler:
         request's prepared profile step is replaced by the class the policy picks
         (:mod:`lade_export.width_policy`); other requests keep theirs. Returns the
         requests still stepping (one whose narrowed ``prepare`` raises fails alone)."""
-        if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
-            req, lay = steps[0], steps[0].layout
+        for req in steps:  # the depth of each prepared trie (what the acceptance estimate is per)
+            lay = req.layout
             req.depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if len(lay.trie_tokens) else 0
-            req.widest = True
+        if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
+            steps[0].widest = True
             return steps
         policy = self.width_policy
         menus = []
         for req in steps:
             if req.acceptance is None:
                 req.acceptance = policy.tracker()
-            lay, state = req.layout, req.state
+            lay, state, depth = req.layout, req.state, req.depth
             trie = len(lay.trie_tokens)
-            depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if trie else 0
-            req.depth = depth
             if not hasattr(state, "profile") or not isinstance(state.rule, GreedyRule):
                 menus.append([Option(req.width, None, lay.step, req.acceptance.expected(req.width, depth))])
                 continue
