@@ -70,7 +70,11 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
     engine = open_engine(artifact, backend, threads=threads, device=device, dtype=dtype)
     options = {k: v for k, v in (("width_policy", width_policy), ("max_batch", max_batch),
                                  ("token_budget", token_budget), ("kv_tokens", kv_tokens)) if v is not None}
-    model = Model(artifact, tokenizer, engine, batching=batching, scheduler_options=options)
+    try:
+        model = Model(artifact, tokenizer, engine, batching=batching, scheduler_options=options)
+    except BaseException:  # a refused scheduler option: the engine's sessions are not left to the collector
+        engine.close()
+        raise
     if batching and backend == "tensorrt":  # the scheduler's passes must fit the engines' packed profile
         s = model.scheduler
         try:

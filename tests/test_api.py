@@ -277,3 +277,19 @@ def test_readme_python_example_runs_as_written(stories_artifact, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "steps" in proc.stdout and "compression" in proc.stdout
+
+
+def test_a_refused_scheduler_option_closes_the_engine_load_opened(stories_artifact, monkeypatch):
+    import lade_export.backends as backends
+
+    opened = []
+    real = backends.open_engine
+
+    def recording(*args, **kwargs):
+        opened.append(real(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(backends, "open_engine", recording)
+    with pytest.raises(GenerationError, match=r"^token_budget must be an integer ≥ 1, got 0$"):
+        lade_export.load(stories_artifact, batching=True, token_budget=0)
+    assert len(opened) == 1 and opened[0].session is None  # closed, not left to the collector
