@@ -95,7 +95,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -119,6 +119,48 @@ MAX_UNREAD = 64
 #: Default width policy (SmolLM2 fp32, the default profile, 4 concurrent requests: 2.2× the
 #: tokens/s of "profile", see docs/serving.md).
 WIDTH_POLICY = "adaptive"
+
+class PassRecord(NamedTuple):
+    """One pass of a scheduler's timeline (``Scheduler(timeline=True)``: ``scheduler.timeline``,
+    one record per pass that ran, in order). Times are ``time.perf_counter()`` seconds; the
+    phases of a pass follow each other, ``start ≤ planned ≤ engine ≤ engine_end ≤ updated ≤
+    end``, and the time from one record's ``end`` to the next one's ``start`` is time when no
+    pass ran (the lead handed to the next reader, readers waking, the GIL, no reader waiting).
+
+    Attributes:
+        start: the leading reader began the iteration (admission of waiting requests).
+        planned: the pass's items are chosen and every decode step prepared (widths chosen).
+        engine: the feeds are packed (mask, ids, positions, the pool's cache views); the
+            engine's run starts.
+        engine_end: the engine's run returned.
+        updated: every item is handled: decode steps verified (``state.update``), stop
+            rules, detokenized text, chunks handed to their readers' queues.
+        end: the pool kept the pass's rows and finished requests were handed their last
+            chunk; the lead is released right after.
+        steps: decode steps of the pass (one per decoding request in it).
+        chunks: prompt chunks of the pass (one per prefilling request in it).
+        decode_rows: rows of its decode steps.
+        prefill_rows: rows of its prompt chunks (``decode_rows + prefill_rows`` is the
+            pass's ``step``, the tokens fed).
+        tokens: new tokens its decode steps accepted (after the stop rules).
+        waiting: requests still waiting for admission when it was planned.
+        leader: ``threading.get_ident()`` of the reader thread that ran it.
+    """
+
+    start: float
+    planned: float
+    engine: float
+    engine_end: float
+    updated: float
+    end: float
+    steps: int
+    chunks: int
+    decode_rows: int
+    prefill_rows: int
+    tokens: int
+    waiting: int
+    leader: int
+
 
 class _Request:
     """One request's state inside the scheduler (private: only the thread running a pass changes it)."""
@@ -180,11 +222,14 @@ class Scheduler:
             and acceptance), ``"profile"`` (every step its profile's), or a policy object
             such as :class:`lade_export.width_policy.AdaptiveWidth` with a fixed cost curve;
             see :mod:`lade_export.width_policy`.
+        timeline: record a :class:`PassRecord` of every pass in :attr:`timeline` (off by
+            default; off, no clock is read for it). ``bench/scheduler_timeline.py`` reads it.
 
     Attributes:
         width_steps: ``Counter`` width class (:data:`lade_export.width_policy.WIDTHS`) →
             decode steps run at it.
         width_passes: ``Counter`` widest class of a pass's decode steps → passes.
+        timeline: ``list[PassRecord]`` (``timeline=True``; the caller may clear it), else None.
 
     :meth:`stream` may be called from any number of threads. There is no thread of its
     own: a reader waiting for its next chunk runs the next pass when no other reader is
@@ -197,7 +242,7 @@ class Scheduler:
 
     def __init__(self, decoder: Decoder, *, token_budget: int = TOKEN_BUDGET, prefill_chunk: int = PREFILL_CHUNK,
                  max_batch: int = MAX_BATCH, kv_tokens: int | None = None, max_unread: int = MAX_UNREAD,
-                 width_policy=WIDTH_POLICY):
+                 width_policy=WIDTH_POLICY, timeline: bool = False):
         for name, value in (("token_budget", token_budget), ("prefill_chunk", prefill_chunk),
                             ("max_batch", max_batch), ("max_unread", max_unread)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -235,6 +280,7 @@ class Scheduler:
         self.pass_shapes: Counter = Counter()
         self.width_steps: Counter = Counter()
         self.width_passes: Counter = Counter()
+        self.timeline: list[PassRecord] | None = [] if timeline else None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -351,6 +397,8 @@ class Scheduler:
 
     def _iterate(self) -> bool:
         """Admit waiting requests, plan and run one pass; False when there was nothing to run."""
+        clock = self.timeline is not None
+        t0 = time.perf_counter() if clock else None
         with self._cond:
             while (self._pending and len(self._active) < self.max_batch
                    and self._reserved + self._pending[0].need <= self.kv_tokens):
@@ -362,7 +410,7 @@ class Scheduler:
         if not items:
             return False
         try:
-            self._pass(items)
+            self._pass(items, (t0, time.perf_counter(), len(self._pending)) if clock else None)
         except Exception as err:  # a fault of the pass itself: fail its requests, keep serving
             for req, _ in items:
                 self._fail(req, err)
@@ -443,7 +491,16 @@ class Scheduler:
             rows += lay.step
         budget = self.token_budget if items else self.prefill_chunk
         for req in active:  # arrival order
-            if req.ready or req.closed.is_set() or rows >= budget:
+            if req.ready or req.closed.is_set():
+                continue
+            try:  # cancelled while its prompt is prefilled: it leaves now, not after its prefill
+                if req.cancel is not None and req.cancel.is_set():
+                    self._finish(req, "cancelled", [])
+                    continue
+            except Exception as err:  # its cancel event failed
+                self._fail(req, err)
+                continue
+            if rows >= budget:
                 continue
             if items and self.pool.used == 0:
                 break  # see below
@@ -515,8 +572,9 @@ class Scheduler:
             kept.append(req)
         return kept
 
-    def _pass(self, items: list) -> None:
-        """Run one packed pass and hand every request its rows (item by item on an engine error)."""
+    def _pass(self, items: list, clock: tuple | None = None) -> None:
+        """Run one packed pass and hand every request its rows (item by item on an engine error).
+        ``clock``: ``(start, planned, waiting)`` of a pass the timeline records."""
         step = sum(it.width for _, it in items)
         self.pool.reserve(step)
         feeds = pack([it for _, it in items], self.pool.owner)
@@ -533,10 +591,13 @@ class Scheduler:
                 for item in items:
                     self._pass([item])
             return
-        engine_s = time.perf_counter() - te
+        t_engine_end = time.perf_counter()
+        engine_s = t_engine_end - te
         self.passes += 1
         self.pass_shapes[len(items), step] += 1
         widths = [req.width for req, _ in items if req.ready]
+        decode_rows = sum(it.width for req, it in items if req.ready) if clock is not None else 0
+        tokens = 0
         if widths:
             self.width_passes[max(widths, key=WIDTHS.index)] += 1
             if len(widths) == len(items):  # decode steps only: a point of the step-cost curve
@@ -561,6 +622,7 @@ class Scheduler:
                 stats = req.stats
                 stats.steps += 1
                 stats.new_tokens += len(verdict.accepted)
+                tokens += len(verdict.accepted)
                 req.histogram[len(verdict.accepted)] += 1
                 self.width_steps[req.width] += 1
                 if req.acceptance is not None and isinstance(req.state.rule, GreedyRule):
@@ -574,9 +636,15 @@ class Scheduler:
                 self._send(req, Chunk(req.text.take(), verdict.accepted))
             kept.append((req.id, it.rows + rows))
             req.cache_len += len(rows)
+        t_updated = time.perf_counter() if clock is not None else None
         self.pool.commit(outputs, kept, step)
         for req, why in done:
             if isinstance(why, BaseException):
                 self._fail(req, why)
             else:
                 self._finish(req, *why)
+        if clock is not None:
+            self.timeline.append(PassRecord(clock[0], clock[1], te, t_engine_end, t_updated, time.perf_counter(),
+                                            len(widths), len(items) - len(widths), decode_rows, step - decode_rows,
+                                            tokens, clock[2],
+                                            threading.get_ident()))

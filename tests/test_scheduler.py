@@ -586,3 +586,31 @@ def test_adaptive_widths_leave_sampled_requests_equal_to_their_solo_runs(stories
     profile = scheduler.width_steps["profile"]
     assert sampled_lookahead <= profile <= sampled_lookahead + alone and sampled_lookahead > 0
     assert scheduler.width_steps["one-token"] == others - (profile - sampled_lookahead)
+
+
+def test_the_timeline_accounts_for_every_pass_row_and_token(stories_decoder, reference_greedy, solo):
+    """``timeline=True``: one record per pass, phases in order, no two passes overlapping;
+    decode rows and prompt rows add up to the tokens fed (every request's prompt but its
+    last token, and every decode step's rows), decode steps and accepted tokens to the
+    requests' own counts; outputs unchanged. Off by default."""
+    assert Scheduler(stories_decoder).timeline is None
+    scheduler = Scheduler(stories_decoder, token_budget=24, prefill_chunk=7, timeline=True)
+    results = _run_concurrently(scheduler, reference_greedy, REQUESTS)
+    for spec, got, want in zip(REQUESTS, results, solo):
+        assert _same(got, want), spec
+    tl = scheduler.timeline
+    assert len(tl) == scheduler.passes > 0
+    for p in tl:
+        assert p.start <= p.planned <= p.engine <= p.engine_end <= p.updated <= p.end
+        assert p.steps + p.chunks >= 1 and p.decode_rows >= p.steps
+    assert all(a.end <= b.start for a, b in zip(tl, tl[1:]))
+    fed = sum(rows * n for (_, rows), n in scheduler.pass_shapes.items())
+    assert sum(p.decode_rows + p.prefill_rows for p in tl) == fed
+    prompts = [len(reference_greedy["cases"][spec[0]]["prompt_ids"]) - 1 for spec in REQUESTS]
+    assert sum(p.prefill_rows for p in tl) == sum(prompts)
+    for p in tl:  # prompt rows: up to prefill_chunk in a pass without decode steps, else up to the budget
+        assert p.prefill_rows <= (7 if not p.steps else max(24 - p.decode_rows, 0))
+    assert sum(p.steps for p in tl) == sum(r.stats.steps for r in results)
+    assert sum(p.tokens for p in tl) == sum(len(r.token_ids) for r in results)
+    assert sum(p.decode_rows for p in tl if p.steps == 1 and not p.chunks) >= sum(
+        1 for p in tl if p.steps == 1 and not p.chunks)
