@@ -316,16 +316,23 @@ class TokenPool:
                 if filled + len(rows) > size:
                     raise GenerationError(f"KV region of request {o} full: {filled} + {len(rows)} tokens exceed "
                                           f"its {size}")
+            kept = [(o, rows) for o, rows in kept if len(rows)]
+            if len(kept) == 1:  # one owner: its rows go to one run of its region
+                o, rows = kept[0]
+                at = self._region[o][0] + self._region[o][2]
+                # increasing rows without a gap (a greedy step, a prompt chunk): a slice, not a gather
+                src = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
+                dst = slice(at, at + len(rows))
+            elif kept:  # several: one gather and one scatter per tensor for all of them (not one per owner)
+                src = np.concatenate([rows for _, rows in kept]).astype(np.intp)
+                dst = np.concatenate([np.arange(len(rows)) + (self._region[o][0] + self._region[o][2])
+                                      for o, rows in kept])
+            for i in range(self.dims.num_layers) if kept else ():
+                self.cache.keys[i][0, dst] = outputs[present_key_name(i)][0, src]
+                self.cache.values[i][0, dst] = outputs[present_value_name(i)][0, src]
             for o, rows in kept:
                 r = self._region[o]
-                at = r[0] + r[2]
-                # increasing rows without a gap (a greedy step, a prompt chunk): a slice, not a gather
-                src = slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) and rows[-1] - rows[0] == len(rows) - 1 \
-                    else rows
-                for i in range(self.dims.num_layers):
-                    self.cache.keys[i][:, at:at + len(rows)] = outputs[present_key_name(i)][:, src]
-                    self.cache.values[i][:, at:at + len(rows)] = outputs[present_value_name(i)][:, src]
-                self.cache.rewrote(at)  # for engines that keep a copy of the pool on a device
+                self.cache.rewrote(r[0] + r[2])  # for engines that keep a copy of the pool on a device
                 r[2] += len(rows)
             self._reshape()
             return

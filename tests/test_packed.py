@@ -116,3 +116,18 @@ def test_attention_skips_reads_the_engine_graphs_metadata():
     assert attention_skips(Engine({"attention_skips_masked": "16", "kv_layout": "sequence-major"})) == 16
     assert attention_skips(Engine({"kv_layout": "sequence-major"})) == 0
     assert attention_skips(object()) == 0  # an engine without an ONNX Runtime session (the test double, torch)
+
+
+def test_regions_commit_of_several_owners_at_once_keeps_each_row_in_its_own_region():
+    """One pass's kept rows of several requests (a run, none, a gather) land in their
+    regions in order, exactly as one request at a time would put them."""
+    pool = TokenPool(DIMS, "sequence-major", 0, limit=64, initial=32, regions=True)
+    for owner, need in ((1, 8), (2, 8), (3, 8)):
+        pool.admit(owner, need)
+    pool.commit(_outputs(7, 3), [(1, np.array([0, 1, 2])), (2, np.zeros(0, np.int64)), (3, np.array([3, 5]))], 7)
+    pool.commit(_outputs(3, 4), [(3, np.array([0, 2]))], 3)  # one owner, rows with a gap
+    pool.commit(_outputs(2, 5), [(2, np.array([1]))], 2)
+    assert pool.owner.tolist() == [1] * 3 + [-1] * 5 + [2] + [-1] * 7 + [3] * 4
+    assert _columns(pool, 1) == [3100, 3101, 3102] + [0] * 5 + [5101] + [0] * 7 + [3103, 3105, 4100, 4102]
+    assert pool.cache.values[0][0, 16:20, 0, 0].tolist() == [-3003, -3005, -4000, -4002]
+    assert (pool.tokens(1), pool.tokens(2), pool.tokens(3)) == (3, 1, 4)
