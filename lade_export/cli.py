@@ -893,10 +893,16 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True,
               help="Largest request body (413 beyond).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="On SIGTERM, seconds the requests in flight may take to finish before they are cancelled.")
+              help="On SIGTERM, seconds the requests in flight may take to finish before they are cancelled "
+                   "(each stream then ends with a server_shutdown error event, other requests get a 503).")
+@click.option("--token-budget", type=click.IntRange(min=1), default=None,
+              help="Scheduler: rows of a pass that holds decode steps (default 64).")
+@click.option("--kv-tokens", type=click.IntRange(min=1), default=None,
+              help="Scheduler: most tokens the KV pool holds over all requests (default: max-concurrent x the "
+                   "model's context).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
 def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max_concurrent, max_queue,
-          max_new_tokens_limit, max_body_bytes, drain_timeout, threads):
+          max_new_tokens_limit, max_body_bytes, drain_timeout, token_budget, kv_tokens, threads):
     """Serve an artifact over the OpenAI HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics) with continuous batching (docs/serving.md)."""
     import os
@@ -914,7 +920,8 @@ def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max
     sock = bind(host, port)
     try:
         # every running request gets a place in the passes
-        model = load(artifact_dir, batching=True, threads=threads, max_batch=max_concurrent)
+        model = load(artifact_dir, batching=True, threads=threads, max_batch=max_concurrent,
+                     token_budget=token_budget, kv_tokens=kv_tokens)
         profiles = {}
         for value in profile_values or (None,):
             prof = model.resolve_profile(value)

@@ -25,6 +25,8 @@ import uvicorn
 
 import lade_export
 from lade_export.profile import resolve_profile
+from lade_export.runtime import Decoder
+from lade_export.scheduler import Scheduler
 from lade_export.serving.openai_api import OpenAIServer, ServerConfig, bind
 
 from .conftest import mt_bench_prompts
@@ -312,6 +314,98 @@ def test_the_api_key_is_required_where_set(stories_model):
         assert r.choices[0].text == ", there was a"
 
 
+class _SlowEngine:
+    """The stories engine, 20 ms slower on every pass, counting them (so a long prompt
+    prefilled in small chunks takes many passes before its first token)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+        self.passes = 0
+
+    def run(self, feeds, with_logits=False):
+        time.sleep(0.02)
+        self.passes += 1
+        return self.engine.run(feeds, with_logits)
+
+
+def _wait(cond, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _post_and_leave(base, body):
+    """Send a request and keep its connection open without reading; returns the socket
+    (closing it is the client going away)."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_a_client_that_leaves_while_queued_or_prefilled_is_cancelled_before_its_first_token(stories_artifact):
+    # a 480-token prompt prefilled 8 tokens a pass: its first token needs 60 passes (>= 1.2 s)
+    model = lade_export.load(stories_artifact, batching=True)
+    model.scheduler.close()
+    d = model.decoder
+    engine = _SlowEngine(d.engine)
+    model.scheduler = sched = Scheduler(Decoder(engine, d.stop_token_ids, d.max_context, d.tokenizer), prefill_chunk=8)
+    first_token = 60
+    long = {"model": "stories", "prompt": [1] + [300] * 479, "max_tokens": 4, "temperature": 0}
+    try:
+        with serving(model, max_concurrent=1) as (base, _):
+            # a stream being prefilled holds the only slot; a request queued behind it leaves
+            a = _post_and_leave(base, {**long, "stream": True})
+            _wait(lambda: sched.active_requests == 1 and engine.passes >= 2, "the long prompt is not being prefilled")
+            b = _post_and_leave(base, {"model": "stories", "prompt": "The little dog", "max_tokens": 4})
+            _wait(lambda: metric(base, "lade_requests_queued") == 1, "the second request is not queued")
+            b.close()
+            _wait(lambda: metric(base, "lade_requests_queued") == 0, "the queued request did not leave")
+            assert engine.passes < first_token and metric(base, "lade_requests_running") == 1
+            # the stream's client leaves during its prefill: the scheduler drops it at its next pass
+            a.close()
+            _wait(lambda: sched.active_requests == 0 and metric(base, "lade_requests_running") == 0,
+                  "the prefilled request of a client that left is still running")
+            assert engine.passes < first_token
+            # the same for a request that is not streamed
+            before = engine.passes
+            c = _post_and_leave(base, long)
+            _wait(lambda: sched.active_requests == 1 and engine.passes >= before + 2, "the prompt is not prefilled")
+            c.close()
+            _wait(lambda: sched.active_requests == 0 and metric(base, "lade_requests_running") == 0,
+                  "the prefilled request of a client that left is still running")
+            assert engine.passes - before < first_token
+            assert metric(base, "lade_requests_cancelled_total") == 3 and sched.pool.used == 0
+            r = client(base).completions.create(model="stories", prompt="Once upon a time", max_tokens=10,
+                                                temperature=0)
+            assert r.choices[0].text == ", there was a little girl named Lily"
+            assert metric(base, "lade_completion_tokens_total") == 10  # none of the others had a token
+    finally:
+        model.close()
+
+
+def test_the_kv_pool_bounds_a_request_and_its_default_max_tokens(stories_artifact):
+    model = lade_export.load(stories_artifact, batching=True, kv_tokens=300)
+    try:
+        with serving(model) as (base, _):
+            status, body = raw(base, "POST", "/v1/completions", {**C, "max_tokens": 400})
+            assert (status, body) == (400, {"error": {
+                "message": "the prompt (5 tokens) + max_tokens (400) exceed the server's KV pool of 300 tokens "
+                           "(--kv-tokens)", "type": "invalid_request_error", "param": "max_tokens",
+                "code": "context_length_exceeded"}})
+            r = client(base).completions.create(model="stories", prompt="Once upon a time", temperature=0,
+                                                extra_body={"lookahead": False})
+            assert r.usage.prompt_tokens + r.usage.completion_tokens <= 300  # omitted: what the pool leaves
+            assert r.choices[0].text == model.generate("Once upon a time", chat=False, lookahead=False,
+                                                       max_new_tokens=r.usage.completion_tokens).text
+    finally:
+        model.close()
+
+
 C = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 4}
 M = {"model": "stories", "messages": [{"role": "user", "content": "hi"}]}
 MALFORMED = [
@@ -364,7 +458,9 @@ MALFORMED = [
      'messages[0].role must be one of system, user, assistant, developer, got "wizard"'),
     ("/v1/chat/completions", {**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      "unsupported_parameter", 'tools is not supported by this server (got [{"type": "function", "function": {"name": "f"}}])'),
-    ("/v1/chat/completions", M, 400, None, None, "this model has no chat template; pass plain text (--no-chat)"),
+    ("/v1/chat/completions", M, 400, None, None,  # the CLI's advice (--no-chat) is not an HTTP client's
+     "this model has no chat template, so /v1/chat/completions cannot serve it; send the prompt as text to "
+     "/v1/completions"),
     ("/v1/chat/completions", {**M, "max_tokens": 5, "max_completion_tokens": 6}, 400, "max_completion_tokens", None,
      "max_tokens and max_completion_tokens differ; give one of them"),
     ("/v1/embeddings", {"model": "stories", "input": "x"}, 404, None, "not_found", "no route /v1/embeddings"),
@@ -430,6 +526,115 @@ def test_serve_command_answers_and_drains_on_sigterm(stories_artifact):
         proc.wait()
 
 
+_DRAINED_SERVER = """
+import sys, time
+import lade_export
+from lade_export.profile import resolve_profile
+from lade_export.runtime import Decoder
+from lade_export.scheduler import Scheduler
+from lade_export.serving.openai_api import OpenAIServer, ServerConfig, bind, run
+
+class Slow:  # the stories engine, 20 ms slower on every pass: 400 plain-decoding tokens take >= 8 s
+    def __init__(self, engine):
+        self.engine = engine
+        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+    def run(self, feeds, with_logits=False):
+        time.sleep(0.02)
+        return self.engine.run(feeds, with_logits)
+
+model = lade_export.load(sys.argv[1], batching=True)
+model.scheduler.close()
+d = model.decoder
+model.scheduler = Scheduler(Decoder(Slow(d.engine), d.stop_token_ids, d.max_context, d.tokenizer), max_batch=2)
+server = OpenAIServer(model, ServerConfig("stories", {"default": resolve_profile("default")}, max_concurrent=2))
+sock = bind("127.0.0.1", 0)
+print("port", sock.getsockname()[1], flush=True)
+code = run(server, sock, drain_s=float(sys.argv[2]))  # what lade-export serve runs
+sock.close()
+model.close()
+sys.exit(code)
+"""
+
+
+def test_at_the_drain_timeout_requests_end_with_a_shutdown_error_and_the_server_exits_0(stories_artifact,
+                                                                                        stories_model):
+    proc = subprocess.Popen([sys.executable, "-c", _DRAINED_SERVER, str(stories_artifact), "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("port "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        base = "http://127.0.0.1:" + line.split()[1]
+        job = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+               "lookahead": False}
+        conn = http.client.HTTPConnection("127.0.0.1", int(line.split()[1]), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({**job, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = []
+
+        def read_event():
+            while True:
+                text = resp.readline().decode()
+                assert text, "the stream ended without [DONE]"
+                if text.startswith("data: "):
+                    events.append(text[6:].strip())
+                    return events[-1]
+
+        read_event()  # the stream has begun
+        answers = {}
+        whole = threading.Thread(target=lambda: answers.setdefault("whole", raw(base, "POST", "/v1/completions", job)))
+        whole.start()
+        _wait(lambda: metric(base, "lade_requests_running") == 2, "the second request is not running")
+        queued = threading.Thread(target=lambda: answers.setdefault("queued", raw(base, "POST", "/v1/completions",
+                                                                                  job)))
+        queued.start()
+        _wait(lambda: metric(base, "lade_requests_queued") == 1, "the third request is not queued")
+        proc.send_signal(signal.SIGTERM)
+        while read_event() != "[DONE]":
+            pass
+        conn.close()
+        whole.join(60)
+        queued.join(60)
+        assert proc.wait(60) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "Cancel" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    error = {"error": {"message": "the server is shutting down and cancelled this request when its drain timeout of "
+                                  "0.5 s ran out; send it again", "type": "server_error", "param": None,
+                       "code": "server_shutdown"}}
+    chunks = [json.loads(e) for e in events[:-2]]
+    assert json.loads(events[-2]) == error and events[-1] == "[DONE]"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)  # no finish_reason: it did not finish
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    solo = stories_model.generate("Once upon a time", chat=False, max_new_tokens=400, lookahead=False).text
+    assert text and solo.startswith(text) and len(text) < len(solo)
+    assert answers == {"whole": (503, error), "queued": (503, error)}
+
+
+def test_serve_passes_the_scheduler_options_to_its_scheduler(stories_artifact, monkeypatch):
+    from lade_export import cli
+    from lade_export.serving import openai_api
+
+    seen = {}
+
+    def fake_run(server, sock, *, drain_s):  # what the server got, instead of serving
+        s = server.model.scheduler
+        seen.update(max_batch=s.max_batch, token_budget=s.token_budget, kv_tokens=s.kv_tokens, drain_s=drain_s)
+        return 0
+
+    monkeypatch.setattr(openai_api, "run", fake_run)
+    cli.main(["serve", str(stories_artifact), "--port", "0", "--max-concurrent", "3", "--token-budget", "16",
+              "--kv-tokens", "700", "--drain-timeout", "2"])
+    assert seen == {"max_batch": 3, "token_budget": 16, "kv_tokens": 700, "drain_s": 2.0}
+    seen.clear()
+    cli.main(["serve", str(stories_artifact), "--port", "0", "--max-concurrent", "3"])
+    assert seen == {"max_batch": 3, "token_budget": 64, "kv_tokens": 3 * 512, "drain_s": 30.0}  # the defaults
+
+
 def test_serve_command_refusals_are_one_line(stories_artifact):
     def refused(args, env=None):
         out = subprocess.run([sys.executable, "-m", "lade_export.cli", "serve", *map(str, args)], capture_output=True,
@@ -446,6 +651,10 @@ def test_serve_command_refusals_are_one_line(stories_artifact):
         port = taken.getsockname()[1]
         assert refused([stories_artifact, "--port", port]) == \
             f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    for flag in ("--token-budget", "--kv-tokens"):  # as lade-export triton refuses them
+        message, _, hint = refused([stories_artifact, flag, 0]).partition(" (see: ")
+        assert message == f"error: Invalid value for '{flag}': 0 is not in the range x>=1."
+        assert hint.endswith(" serve --help)")  # "lade-export serve"; run here as python -m lade_export.cli
 
 
 # -- SmolLM2 ---------------------------------------------------------------------------------------

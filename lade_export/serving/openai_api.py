@@ -30,15 +30,27 @@ Errors use OpenAI's schema, ``{"error": {"message", "type", "param", "code"}}``,
 one-line message: 400 bad JSON, types, ranges, over-long prompts, unknown profile or
 field; 401 missing or wrong API key (compared with :func:`hmac.compare_digest`); 404
 unknown model or route; 405 wrong method; 413 body over the limit; 429 queue full; 500
-an internal failure (never a traceback). An error after a stream has begun is sent as one
-``data: {"error": …}`` event before ``data: [DONE]``.
+an internal failure (never a traceback); 503 a request the server cancelled when its drain
+timeout ran out. An error after a stream has begun is sent as one ``data: {"error": …}``
+event before ``data: [DONE]``.
 
 Concurrency: at most ``max_concurrent`` requests run (the scheduler's ``max_batch``), at
 most ``max_queue`` more wait; beyond that 429. Each running request has a thread that
 reads its :class:`lade_export.api.Stream` (the scheduler has no thread of its own: readers
 run the passes, leader/follower), handing chunks to the event loop. A client that
-disconnects cancels its request: the scheduler ends it before its next step and frees its
-KV columns.
+disconnects cancels its request, whether it is waiting for a slot, being prefilled or
+decoding (the disconnect is watched once its body is read): the scheduler ends it before its
+next pass and frees its KV columns.
+
+Shutdown (:func:`run`): SIGTERM or SIGINT stops accepting connections and lets the
+requests in flight finish for the drain timeout; then :meth:`OpenAIServer.end_drain`
+cancels the rest through the scheduler. Each of them ends at its next pass: a stream with
+an error event (type ``server_error``, code ``server_shutdown``) and ``data: [DONE]``, any
+other request with a 503 of that error; a request still waiting for a slot gets the 503
+at once. The error, not a ``finish_reason``: every finish reason of the OpenAI API says the
+output ended as the model or the request decided, so a client would take the cut text as
+complete; an error event is what OpenAI clients raise on (the ``openai`` package raises
+``APIError`` from the stream), and a 503 is one they retry.
 
 Nothing here imports PyTorch; the module needs the ``http`` extra (Starlette, uvicorn,
 prometheus_client).
@@ -70,6 +82,12 @@ from ..profile import LookaheadProfile
 MAX_BODY_BYTES = 1 << 20
 #: Stop strings a request may give (the OpenAI API's limit).
 MAX_STOP_STRINGS = 4
+#: Seconds the requests cancelled at the end of the drain timeout have to send their last
+#: events (each ends at its next pass) before uvicorn cancels what is left.
+SHUTDOWN_GRACE_S = 10.0
+#: The answer to a chat request when the model has no chat template.
+NO_CHAT_TEMPLATE = ("this model has no chat template, so /v1/chat/completions cannot serve it; "
+                    "send the prompt as text to /v1/completions")
 
 #: stop reasons of :mod:`lade_export.runtime` → OpenAI's ``finish_reason``.
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
@@ -447,9 +465,14 @@ class OpenAIServer:
         self.model = model
         self.config = config
         self.context = model.decoder.max_context
+        tokenizer = getattr(model, "tokenizer", None)
+        self._has_chat_template = getattr(tokenizer, "has_chat_template", True)
         self.running = 0
         self.waiting = 0
         self._slots: asyncio.Condition | None = None
+        self._runs: set = set()  # the admitted requests (_Run) not yet finished
+        #: the 503 every request still in flight gets once :meth:`end_drain` ran, else None
+        self.shutdown_error: APIError | None = None
         self.metrics = _Metrics(self)
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -513,15 +536,20 @@ class OpenAIServer:
         if self._slots is None:
             self._slots = asyncio.Condition()
         async with self._slots:
+            if self.shutdown_error is not None:
+                raise self.shutdown_error
             if self.running >= self.config.max_concurrent:
                 if self.waiting >= self.config.max_queue:
                     raise APIError(429, f"the server is at capacity ({self.running} running, {self.waiting} waiting); "
                                         "try again later", "rate_limit_error", code="queue_full")
                 self.waiting += 1
                 try:
-                    await self._slots.wait_for(lambda: self.running < self.config.max_concurrent)
+                    await self._slots.wait_for(lambda: self.running < self.config.max_concurrent
+                                               or self.shutdown_error is not None)
                 finally:
                     self.waiting -= 1
+                if self.shutdown_error is not None:
+                    raise self.shutdown_error
             self.running += 1
 
     def _release(self) -> None:
@@ -529,9 +557,33 @@ class OpenAIServer:
         self.running -= 1
         asyncio.ensure_future(self._notify())
 
-    async def _notify(self) -> None:
+    async def _notify(self, every: bool = False) -> None:
         async with self._slots:
-            self._slots.notify()
+            self._slots.notify_all() if every else self._slots.notify()
+
+    def end_drain(self, drain_s: float) -> None:
+        """End the shutdown's drain (its timeout ran out): cancel every request still in
+        flight through the scheduler, and answer those waiting for a slot, and any that
+        arrives later, with a 503 (``server_error`` / ``server_shutdown``).
+
+        A cancelled request ends at its next pass: a stream with that error as its last
+        event before ``data: [DONE]``, a non-streamed request with the 503 (see the module
+        docstring for why an error and not a ``finish_reason``). A request that finishes
+        on its own at the same pass keeps its normal answer. Call it on the event loop.
+
+        Args:
+            drain_s: the drain timeout that ran out, seconds (for the message).
+        """
+        if self.shutdown_error is not None:
+            return
+        self.shutdown_error = APIError(
+            503, f"the server is shutting down and cancelled this request when its drain timeout of {drain_s:g} s "
+                 "ran out; send it again", "server_error", code="server_shutdown")
+        for run in list(self._runs):
+            run.aborted = True
+            run.cancel()
+        if self._slots is not None:
+            asyncio.ensure_future(self._notify(every=True))
 
     # -- endpoints -------------------------------------------------------------------------
 
@@ -564,30 +616,50 @@ class OpenAIServer:
         try:
             self._authorize(request)
             job = parse_request(await self._body(request), chat, self.config)
-            await self._acquire()
+            if chat and not self._has_chat_template:
+                raise _bad(NO_CHAT_TEMPLATE)
         except APIError as err:
             self.metrics.requests.labels(endpoint, str(err.status)).inc()
             return err.response()
-        run = _Run(self, job)
-        try:
-            first = await run.start()
-        except APIError as err:
-            run.finish()
-            self.metrics.requests.labels(endpoint, str(err.status)).inc()
-            return err.response()
-        except BaseException:
-            run.finish()
-            raise
-        if job.stream:
-            self.metrics.requests.labels(endpoint, "200").inc()
-            return _EventStream(run, self._sse(run, first, job))
-        try:
-            return await self._whole(request, run, first, job, endpoint)
-        finally:
-            run.finish()
-
-    async def _whole(self, request, run: "_Run", first, job: Job, endpoint: str):
+        # the client may leave while its request waits for a slot or is prefilled: watch for it
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            try:
+                await _unless(self._acquire(), disconnect)
+            except APIError as err:
+                self.metrics.requests.labels(endpoint, str(err.status)).inc()
+                return err.response()
+            except _ClientGone:  # it left the queue before it held a slot
+                self.metrics.cancelled.inc()
+                return Response(status_code=499)
+            run = _Run(self, job)
+            try:
+                first = await _unless(run.start(), disconnect)
+            except APIError as err:
+                run.finish()
+                self.metrics.requests.labels(endpoint, str(err.status)).inc()
+                return err.response()
+            except _ClientGone:  # finish() cancels the request: it ends at its next pass
+                run.finish()
+                return Response(status_code=499)
+            except BaseException:
+                run.finish()
+                raise
+            if job.stream:
+                if disconnect.done():  # gone as its first chunk came
+                    run.finish()
+                    return Response(status_code=499)
+                disconnect.cancel()  # the streaming response watches from here on
+                self.metrics.requests.labels(endpoint, "200").inc()
+                return _EventStream(run, self._sse(run, first, job))
+            try:
+                return await self._whole(run, first, job, endpoint, disconnect)
+            finally:
+                run.finish()
+        finally:
+            disconnect.cancel()
+
+    async def _whole(self, run: "_Run", first, job: Job, endpoint: str, disconnect: asyncio.Future):
         texts = []
         try:
             item = first
@@ -606,8 +678,10 @@ class OpenAIServer:
         except APIError as err:
             self.metrics.requests.labels(endpoint, str(err.status)).inc()
             return err.response()
-        finally:
-            disconnect.cancel()
+        if run.shut_down:
+            err = self.shutdown_error
+            self.metrics.requests.labels(endpoint, str(err.status)).inc()
+            return err.response()
         self.metrics.requests.labels(endpoint, "200").inc()
         text = "".join(texts)
         body = run.envelope("chat.completion" if job.chat else "text_completion")
@@ -641,6 +715,11 @@ class OpenAIServer:
             if isinstance(item, BaseException):
                 yield event(_as_api_error(item).body())
                 break
+            if item.final and run.shut_down:  # cancelled by the end of the drain: the text so far, the error
+                if item.text:
+                    yield event({**run.envelope(kind), "choices": [choice(item.text)], **usage_null})
+                yield event(self.shutdown_error.body())
+                break
             if item.final:
                 last = {**run.envelope(kind), "choices": [choice(item.text, FINISH_REASONS[item.stop_reason])],
                         **usage_null, "lookahead": run.lookahead_stats()}
@@ -658,6 +737,26 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the awaited step completed."""
+
+
+async def _unless(step, disconnect: asyncio.Future):
+    """``await step`` unless ``disconnect`` completes first; then ``step`` is cancelled and
+    :class:`_ClientGone` raised (a step done at the same moment keeps its result)."""
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request's own task is cancelled: so is its step
+        task.cancel()
+        raise
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})
+    raise _ClientGone
 
 
 def _as_api_error(err: BaseException) -> APIError:
@@ -701,6 +800,13 @@ class _Run:
         self.t0 = time.perf_counter()
         self.finished = False
         self.refused = False
+        self.aborted = False  # cancelled by OpenAIServer.end_drain
+        server._runs.add(self)
+
+    @property
+    def shut_down(self) -> bool:
+        """Ended by the end of the drain (cancelled by it, not finished on its own)."""
+        return self.aborted and self.result_reason == "cancelled"
 
     def envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.config.model_name}
@@ -720,6 +826,7 @@ class _Run:
         if self.finished:
             return
         self.finished = True
+        self.server._runs.discard(self)
         if self.result_reason is None and not self.refused:
             self.cancel()
             self.server.metrics.cancelled.inc()
@@ -744,6 +851,8 @@ class _Run:
         first = await self.queue.get()
         if isinstance(first, BaseException):
             raise _as_api_error(first)
+        if first.final and not first.token_ids and self.shut_down:  # nothing was generated: no stream yet
+            raise self.server.shutdown_error
         return first
 
     def _read(self) -> None:
@@ -756,11 +865,16 @@ class _Run:
                 raise _bad(f"the prompt is {len(ids)} tokens; this server takes at most {limit}",
                            "messages" if job.chat else "prompt", "context_length_exceeded")
             max_new = job.max_tokens
+            pool = getattr(getattr(model, "scheduler", None), "kv_tokens", None)  # the scheduler's KV pool
+            room = self.server.context if pool is None else min(self.server.context, pool)
             if max_new is None:
-                max_new = max(1, min(cfg.max_new_tokens_limit, self.server.context - len(ids)))
+                max_new = max(1, min(cfg.max_new_tokens_limit, room - len(ids)))
             elif len(ids) + max_new > self.server.context:
                 raise _bad(f"the prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceed the model's context of "
                            f"{self.server.context} tokens", "max_tokens", "context_length_exceeded")
+            elif len(ids) + max_new > room:
+                raise _bad(f"the prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceed the server's KV pool of "
+                           f"{room} tokens (--kv-tokens)", "max_tokens", "context_length_exceeded")
             self.prompt_tokens = len(ids)
             stream = model.stream(ids, chat=False, max_new_tokens=max_new, profile=job.profile,
                                   lookahead=job.profile is not None, stop=job.stop, temperature=job.temperature,
@@ -829,9 +943,13 @@ def bind(host: str, port: int):
 def run(server: OpenAIServer, sock, *, drain_s: float = 30.0) -> int:
     """Serve on a bound socket until SIGTERM or SIGINT.
 
-    Either signal stops accepting connections at once, lets the requests in flight finish
-    for up to ``drain_s`` seconds (then cancels the rest: each ends before its next step),
-    and returns. Returns the exit status: 0 after SIGTERM, 130 after SIGINT.
+    Either signal stops accepting connections at once and lets the requests in flight
+    finish for up to ``drain_s`` seconds; then :meth:`OpenAIServer.end_drain` cancels the
+    rest through the scheduler (each ends at its next pass with a ``server_shutdown``
+    error: the last event of a stream before ``data: [DONE]``, else a 503), and once they
+    have sent their answers (at most :data:`SHUTDOWN_GRACE_S` more seconds: uvicorn then
+    cancels a response its client does not read) it returns. Returns the exit status: 0
+    after SIGTERM, 130 after SIGINT.
     """
     import contextlib
     import signal
@@ -857,7 +975,14 @@ def run(server: OpenAIServer, sock, *, drain_s: float = 30.0) -> int:
                 for s, h in old.items():
                     signal.signal(s, h)
 
+        async def shutdown(self, sockets=None):  # the drain: at its timeout, cancel through the scheduler
+            timer = asyncio.get_running_loop().call_later(drain_s, server.end_drain, drain_s)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=drain_s)
+                            timeout_graceful_shutdown=drain_s + SHUTDOWN_GRACE_S)
     _Uvicorn(config).run(sockets=[sock])
     return 130 if got and got[-1] == signal.SIGINT else 0
