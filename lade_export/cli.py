@@ -77,6 +77,29 @@ def _console():
     return Console(stderr=True)
 
 
+# Parameters that several commands declare alike, written once. Each use of one of these
+# decorators adds a parameter of its own to its command (click makes a new Option per use),
+# so a command's --help is what it was when each command wrote them out.
+_artifact_dir = click.argument("artifact_dir", type=click.Path(path_type=Path))  # the commands that read a build
+_artifact_out = click.option("--out", required=True, type=click.Path(path_type=Path),
+                             help="Artifact directory to create.")  # build, export
+_backend = click.option("--backend", type=click.Choice(BACKENDS), default="ort",
+                        show_default=True)  # generate, compare, tune
+_device = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu",
+                       show_default=True)  # generate, compare
+_engine_threads = click.option("--threads", type=click.IntRange(min=1), default=None,
+                               help="Engine threads (default: one per core).")  # generate, serve
+_threads = click.option("--threads", type=click.IntRange(min=1), default=None)  # compare, tune
+_token_budget = click.option("--token-budget", type=click.IntRange(min=1), default=None,
+                             help="Scheduler: rows of a pass that holds decode steps (default 64).")  # triton, serve
+
+
+def _kv_tokens(help: str):
+    """``--kv-tokens`` of triton and serve: the same option; its help names each command's
+    own request limit."""
+    return click.option("--kv-tokens", type=click.IntRange(min=1), default=None, help=help)
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="lade-export")
 def main():
@@ -98,7 +121,7 @@ def _profiles(values) -> list:
 @click.option("--profile", "profile_values", multiple=True,
               help=f"Profile TOML, shipped name ({', '.join(bundled_profile_names())}) or W,N,G[,K[,B]] "
                    "(repeatable; the first is the artifact's default).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
+@_artifact_out
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads for the parity check.")
 @click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
@@ -305,7 +328,7 @@ class _progress:
 
 @main.command()
 @click.option("--model", "source", default="smollm2-135m-instruct", show_default=True)
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
+@_artifact_out
 @click.option("--force", is_flag=True)
 def export(source, out, force):
     """Export and parity-check the step graph only (a build with the default profile)."""
@@ -353,7 +376,7 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
               help="Read the prompt from a UTF-8 file, or from stdin with - (a leading byte-order mark is ignored).")
@@ -378,11 +401,11 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1.0: off).")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same output).")
 @click.option("--stop", "stops", multiple=True, help="Stop string: the answer ends before it (repeatable).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@_backend
+@_device
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32",
               help="Compute dtype of the torch backend.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
+@_engine_threads
 @click.option("--verify", is_flag=True, help="Also check the weights' sha256 before loading (~1 s per GB).")
 @click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
 def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, lookahead, profile_value,
@@ -470,7 +493,7 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--profile", "profile_values", multiple=True, help="Profiles to compare (repeatable; default: the build's).")
 @click.option("--dataset", "datasets", multiple=True, default=("mt_bench",), show_default=True,
               help="mt_bench, humaneval, gsm8k (read from $LADE_DATASETS) or a .jsonl path (repeatable).")
@@ -487,10 +510,10 @@ def _open_decoder(artifact_dir, backend, device, dtype, threads):
 @click.option("--llama-gguf", "llama_gguf", default=None, type=click.Path(path_type=Path),
               help="GGUF the llama.cpp peers run (default: the Q4_1 file shipped for SmolLM2).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for results and summaries.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@_backend
+@_device
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32")
-@click.option("--threads", type=click.IntRange(min=1), default=None)
+@_threads
 @click.option("--also", "also", multiple=True, type=click.Path(path_type=Path),
               help="Another artifact of the same model (e.g. its int4 build) to run in the same loop: its greedy and its "
                    "default profile (repeatable).")
@@ -606,7 +629,7 @@ def _report_skipped(skipped, kept, context: int) -> None:
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--dataset", default="mt_bench", show_default=True,
               help="mt_bench, humaneval, gsm8k (read from $LADE_DATASETS) or a .jsonl path.")
 @click.option("--limit", type=click.IntRange(min=2), default=8, show_default=True,
@@ -619,12 +642,12 @@ def _report_skipped(skipped, kept, context: int) -> None:
 @click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K[,B]]", help="Grid entries instead of --grid.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("tuned.toml"), show_default=True,
               help="Profile TOML to write (not in the shipped profiles folder).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
+@_backend
 @click.option("--validate-dataset", default=None,
               help="Also verify the winner on another workload (default: humaneval, or mt_bench when tuning on "
                    "humaneval, read from $LADE_DATASETS; 'none' to skip).")
 @click.option("--validate-limit", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
+@_threads
 def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, out, backend, threads,
          validate_dataset, validate_limit):
     """Measure the step-cost curve and a grid of profiles, keep the fastest measured one
@@ -687,7 +710,7 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--max-abs", type=float, default=1e-3, show_default=True, help="Bound on max |Δ| per output (float32).")
 @click.option("--max-rel", type=float, default=1e-5, show_default=True, help="Bound on max |Δ| / max |reference|.")
 def check(artifact_dir, max_abs, max_rel):
@@ -728,7 +751,7 @@ def check(artifact_dir, max_abs, max_rel):
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
 def inspect(artifact_dir, as_json):
     """Print an artifact's manifest in a readable form."""
@@ -824,7 +847,7 @@ def inspect(artifact_dir, as_json):
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--out", "repository", required=True, type=click.Path(path_type=Path),
               help="Triton model repository (created if missing; other models in it are kept).")
 @click.option("--name", default=None, help="Model name (default: from the artifact's source model).")
@@ -844,11 +867,9 @@ def inspect(artifact_dir, as_json):
               help="Requests one instance decodes at once, sharing its scheduler's passes (more wait).")
 @click.option("--no-batching", is_flag=True,
               help="Each request runs its own passes instead of the instance's scheduler (always so with tensorrt).")
-@click.option("--token-budget", type=click.IntRange(min=1), default=None,
-              help="Scheduler: rows of a pass that holds decode steps (default 64).")
-@click.option("--kv-tokens", type=click.IntRange(min=1), default=None,
-              help="Scheduler: most tokens an instance's KV pool holds over its requests (default: "
-                   "max-concurrent-requests x the model's context).")
+@_token_budget
+@_kv_tokens(help="Scheduler: most tokens an instance's KV pool holds over its requests (default: "
+                 "max-concurrent-requests x the model's context).")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="Engine threads per instance (0: the engine's default).")
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository instead of referencing it.")
@@ -873,7 +894,7 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
 
 
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@_artifact_dir
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (localhost only unless told otherwise; 0.0.0.0 for every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
@@ -895,12 +916,10 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds the requests in flight may take to finish before they are cancelled "
                    "(each stream then ends with a server_shutdown error event, other requests get a 503).")
-@click.option("--token-budget", type=click.IntRange(min=1), default=None,
-              help="Scheduler: rows of a pass that holds decode steps (default 64).")
-@click.option("--kv-tokens", type=click.IntRange(min=1), default=None,
-              help="Scheduler: most tokens the KV pool holds over all requests (default: max-concurrent x the "
-                   "model's context).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Engine threads (default: one per core).")
+@_token_budget
+@_kv_tokens(help="Scheduler: most tokens the KV pool holds over all requests (default: max-concurrent x the "
+                 "model's context).")
+@_engine_threads
 def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max_concurrent, max_queue,
           max_new_tokens_limit, max_body_bytes, drain_timeout, token_budget, kv_tokens, threads):
     """Serve an artifact over the OpenAI HTTP API (/v1/completions, /v1/chat/completions,
