@@ -38,9 +38,10 @@ class _Group(click.Group):
         except click.exceptions.Exit as done:
             sys.exit(done.exit_code)
         except click.UsageError as err:
-            where = f" (see: lade-export {err.ctx.command_path.split(' ', 1)[1]} --help)" if err.ctx and " " in \
-                err.ctx.command_path else " (see: lade-export --help)"
-            click.echo(f"error: {err.format_message()}{where}", err=True)
+            # the command as it was run, as click's own usage lines name it ("lade-export serve",
+            # "python -m lade_export.cli serve"): the hint runs as written where the error appeared
+            where = err.ctx.command_path if err.ctx else "lade-export"
+            click.echo(f"error: {err.format_message()} (see: {where} --help)", err=True)
             sys.exit(2)
         except click.ClickException as err:
             click.echo(f"error: {err.format_message()}", err=True)
@@ -100,7 +101,7 @@ def _kv_tokens(help: str):
     return click.option("--kv-tokens", type=click.IntRange(min=1), default=None, help=help)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, name="lade-export")  # the name click's test runner gives the program
 @click.version_option(package_name="lade-export")
 def main():
     """Export LLaMA decoder steps for exact lookahead decoding, build engines, generate, compare."""

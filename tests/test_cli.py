@@ -175,3 +175,19 @@ def test_a_closed_stdout_ends_generate_quietly_with_status_141(stories_artifact)
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141  # like a process killed by SIGPIPE (`yes | head`)
     assert err == ""
+
+
+def test_a_usage_error_hint_names_the_command_as_it_was_run():
+    """``python -m lade_export.cli`` and the installed ``lade-export`` script each get a --help
+    hint that runs as written (the program name of click's own usage lines)."""
+    script = Path(sys.executable).with_name("lade-export")
+    assert script.is_file(), f"{script}: the lade-export entry point is not installed (pip install -e .)"
+    for program, name in (([sys.executable, "-m", "lade_export.cli"], "python -m lade_export.cli"),
+                          ([str(script)], "lade-export")):
+        bad_value = subprocess.run([*program, "serve", "--port", "x"], capture_output=True, text=True, timeout=60)
+        assert bad_value.returncode == 2
+        assert one_line_error(bad_value) == ("error: Invalid value for '--port': 'x' is not a valid integer range. "
+                                             f"(see: {name} serve --help)")
+        unknown = subprocess.run([*program, "nosuch"], capture_output=True, text=True, timeout=60)
+        assert unknown.returncode == 2
+        assert one_line_error(unknown) == f"error: No such command 'nosuch'. (see: {name} --help)"
