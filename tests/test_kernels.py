@@ -323,7 +323,7 @@ def test_attention_rows_matches_float64_and_names_bad_shapes(library):
         sess.run(None, {"q": q, "pk": pk, "k": k, "pv": pv[:, :, 1:], "v": v, "m": masked})
 
 
-def _attention_rows(library, past_layout=None):
+def _attention_rows(library, past_layout=None, threads=2):
     from onnx import TensorProto, helper
 
     extra = {} if past_layout is None else {"past_layout": past_layout}
@@ -331,7 +331,7 @@ def _attention_rows(library, past_layout=None):
                             **extra)
     names = [("q", TensorProto.FLOAT), ("pk", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("pv", TensorProto.FLOAT),
              ("v", TensorProto.FLOAT), ("m", TensorProto.BOOL)]
-    return _session(library, [node], {}, [(n, t, None) for n, t in names])
+    return _session(library, [node], {}, [(n, t, None) for n, t in names], threads=threads)
 
 
 def test_attention_rows_bits_do_not_depend_on_masked_columns_or_the_cache_layout(library):
@@ -399,6 +399,84 @@ def test_attention_rows_bits_do_not_depend_on_masked_columns_or_the_cache_layout
         run(in_place, q, pool_k, pool_v[:, 1:], k, v, masked, "seq")
     with pytest.raises(Exception, match="attribute past_layout = 2 is not 0"):
         run(_attention_rows(library, past_layout=2), q, pool_k, pool_v, k, v, masked, "seq")
+
+
+# AttentionRows in a subprocess per forced path (LADE_KERNELS_PATH: avx512vnni and amx take the AVX-512
+# attention, which computes rows that see the same key blocks together; the others the scalar one, row by
+# row): 32 step tokens over a cache, each run as one step, and as steps of 1…32 rows with the tokens before
+# them moved into the cache; every row must be the same bits in each, under 1 and 2 threads, on both cache
+# layouts. Lookahead-like masks (each row sees a random subset of its history) and NaN in columns no row
+# sees (a pool's unused room) included. Prints a digest of all outputs per thread count.
+_ATTENTION_CHECK = r"""
+import hashlib, json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from test_kernels import _attention_rows
+from lade_export.kernels import running_path
+independent, digests, runs = True, {}, 0
+for threads in (1, 2):
+    digest = hashlib.sha256()
+    sessions = {layout: _attention_rows(sys.argv[1], past_layout=layout, threads=threads) for layout in (None, 1)}
+    for kv, group, d, past, tree in ((1, 1, 8, 0, False), (2, 3, 8, 21, True), (3, 3, 64, 37, False),
+                                     (3, 3, 64, 300, True), (2, 4, 72, 50, True), (1, 2, 128, 19, False)):
+        rng = np.random.default_rng(kv * 1000 + d + past)
+        n = past + 32  # the history: cache, then 32 step tokens
+        keys = rng.standard_normal((1, n, kv, d)).astype(np.float32)
+        values = rng.standard_normal((1, n, kv, d)).astype(np.float32)
+        q = rng.standard_normal((1, kv, group, 32, d)).astype(np.float32)
+        sees = np.tril(np.ones((32, n), bool), k=past)  # token t sees columns < past + t + 1
+        if tree:  # a lookahead step: each token sees a random part of its history (itself always)
+            sees &= rng.random((32, n)) < 0.7
+            sees[np.arange(32), past + np.arange(32)] = True
+            sees[:, 5:9] = False  # columns no row sees hold NaN: never read, or masked inside a seen block
+            keys[:, 5:9] = values[:, 5:9] = np.nan
+
+        def step(a, width, layout):  # step tokens [a, a + width), the ones before them in the cache
+            p = past + a
+            ck, cv = keys[:, :p], values[:, :p]
+            if layout is None:
+                ck, cv = ck.transpose(0, 2, 3, 1), cv.transpose(0, 2, 1, 3)
+            feeds = {"q": np.ascontiguousarray(q[:, :, :, a:a + width].reshape(1, kv, group * width, d)),
+                     "pk": np.ascontiguousarray(ck), "pv": np.ascontiguousarray(cv),
+                     "k": np.ascontiguousarray(keys[:, p:p + width].transpose(0, 2, 3, 1)),
+                     "v": np.ascontiguousarray(values[:, p:p + width].transpose(0, 2, 1, 3)),
+                     "m": ~sees[a:a + width, :p + width][None, None, None]}
+            out = sessions[layout].run(None, feeds)[0]
+            return out.reshape(1, kv, group, width, d)
+
+        for layout in (None, 1):
+            whole = step(0, 32, layout)
+            digest.update(whole.tobytes())
+            for width in (1, 2, 3, 5, 8, 16, 17, 31, 32):
+                for a in sorted({0, min(3, 32 - width), 32 - width}):
+                    independent &= bool(np.array_equal(step(a, width, layout), whole[:, :, :, a:a + width]))
+                    runs += 1
+    digests[threads] = digest.hexdigest()
+print(json.dumps({"path": running_path(sys.argv[1], "int8"), "independent": independent, "digests": digests,
+                  "runs": runs}))
+"""
+
+
+@pytest.fixture(scope="module")
+def portable_attention(library):
+    return _forced("portable", _ATTENTION_CHECK, library, os.path.dirname(__file__))
+
+
+@pytest.mark.parametrize("path", PATHS["int8"])
+def test_attention_rows_gives_each_row_its_bits_alone_in_any_step_thread_count_and_path(library, portable_attention,
+                                                                                        path):
+    """A token's attention output is the same bits computed alone over its history (the tokens
+    before it in the cache) and inside steps of 2…32 rows, with its query heads and step rows
+    computed together (the AVX-512 attention's groups) or one by one (the scalar one), on 1 or
+    2 threads: what keeps lookahead exact on int8-compute graphs."""
+    _skip_unless_runs(library, path)
+    got = portable_attention if path == "portable" else _forced(path, _ATTENTION_CHECK, library,
+                                                                os.path.dirname(__file__))
+    assert got["path"] == path
+    assert got["runs"] == 2 * 6 * 2 * 24  # threads × shapes × cache layouts × (width, start) pairs
+    assert got["independent"] is True
+    assert got["digests"]["1"] == got["digests"]["2"]
+    assert got["digests"] == portable_attention["digests"]  # AVX-512 groups and scalar rows: the same bits
 
 
 def test_the_int8_graph_reads_its_cache_in_place_and_batches_in_regions(stories_lade, reference_greedy):

@@ -25,12 +25,18 @@ Keys are taken in blocks of 16 columns, and a block whose 16 mask entries are al
 a row is skipped for that row (no score, no exp): a row costs the blocks it sees, which is
 what lets a packed pass over the scheduler's pool cost each request its own columns
 (:mod:`lade_export.packed`, regions). Every key's score and exp are the same operations in a
-vector lane or alone, so skipping changes no bit of any row. With an in-place cache, the keys
-of the blocks some row sees are first copied into ``[D, 16]`` tiles, one per seen block (a
-buffer per calling thread of ``B × KV × seen blocks × D × 16`` floats, kept for the next call:
-it follows the columns the pass's requests own, not the pool's size). Graphs carrying ``past_layout=1`` say so in
-their ONNX metadata (``attention_skips_masked = 16``, read by
-:func:`lade_export.packed.attention_skips`).
+vector lane or alone, so skipping changes no bit of any row. On AVX-512 CPUs the rows of a
+batch entry and KV head that see the same blocks (the G query heads of a step row, and the step
+rows whose seen blocks agree) are computed together, up to 8 at a time: each key block and value
+row is loaded once for the group and feeds the group's independent FMA chains, every row's
+operations being those it has alone, in the same order (so the scalar path, row by row, gives the
+same bits; tests/test_kernels.py forces both). With an in-place cache, a cache block read by one
+or two groups is transposed in registers straight from the cache (a one-token step, a few short
+requests in a packed pass); otherwise the keys of the blocks some row sees are first copied into
+``[D, 16]`` tiles, one per seen block (a buffer per calling thread of ``B × KV × seen blocks × D ×
+16`` floats, kept for the next call: it follows the columns the pass's requests own, not the
+pool's size). Graphs carrying ``past_layout=1`` say so in their ONNX metadata
+(``attention_skips_masked = 16``, read by :func:`lade_export.packed.attention_skips`).
 
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 
@@ -39,8 +45,9 @@ their ONNX metadata (``attention_skips_masked = 16``, read by
   activation blocks: ``d = max|x|/127``, ``q = round(x/d)``), the weight × activation sums
   are int32 (``VPDPBUSD`` on AVX512-VNNI or AVX-VNNI, ``TDPBSUD`` on AMX tiles,
   ``VPMADDUBSW``/``VPMADDWD`` on AVX2, plain C++ on other CPUs), and the scales are applied in
-  float32 in one fixed order. Integer sums are exact, so **every integer path gives the same
-  bits** — an artifact decodes the same tokens on any CPU — and a row depends on nothing but
+  float32 in one fixed order (the rounding itself 16 lanes at a time on the AVX512-VNNI and
+  AMX paths, the same operations as the scalar code of the others). Integer sums are exact,
+  so **every integer path gives the same bits** — an artifact decodes the same tokens on any CPU — and a row depends on nothing but
   itself (not the step's row count, not the thread split). Rounding to int8 would amplify the
   last-bit differences that ONNX Runtime's attention has between a one-token and a many-token
   step, so these graphs compute attention with ``AttentionRows`` (FMAs in a fixed order, an

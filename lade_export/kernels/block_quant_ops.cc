@@ -249,6 +249,41 @@ void quantize_row(const float* x, int64_t k, int bits, int8_t* q, float* dx, flo
   }
 }
 
+#ifdef LADE_X86
+// quantize_row with 16 lanes at a time (the AVX512-VNNI and AMX paths): the same operations on every
+// element — |x|, the block's largest |x| (a running per-lane maximum that passes over NaN as
+// std::max does, then the maximum over the lanes: the same value), x·inv, the round-to-even by the
+// magic constant, truncation, the clamp — and the same scalar d, inv, Σq and d·Σq, so the same bits;
+// 4-bit kernels' order by a permutation within each group of 8.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_row_avx512(
+    const float* x, int64_t k, int bits, int8_t* q, float* dx, float* sx, int32_t* qsum) {
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  const __m512i order = bits == 8 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                  : _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    __m512 most = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps());  // NaN in the first operand: the second
+    most = _mm512_max_ps(_mm512_abs_ps(x1), most);
+    const float amax = _mm512_reduce_max_ps(most);
+    const float d = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512 t = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv)), magic), magic);
+      const __m512i qi = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(t), low), high);
+      sum = _mm512_add_epi32(sum, qi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16 * h),
+                       _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, qi)));
+    }
+    const int32_t total = _mm512_reduce_add_epi32(sum);
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(total);
+    qsum[b] = total;
+  }
+}
+#endif
+
 inline float epilogue(float y, float dcol, float mcol, int32_t isum, float d, float s) {
   const float u = static_cast<float>(isum) * d;
   y = std::fma(dcol, u, y);
@@ -791,9 +826,13 @@ struct MatMulKernel {
     std::vector<int8_t> qa(static_cast<size_t>(rows * k));
     std::vector<float> dx(static_cast<size_t>(rows * p.blocks)), sx(dx.size());
     std::vector<int32_t> qsum(dx.size());
+    auto quantize = quantize_row;
+#ifdef LADE_X86
+    if (job.path == kAvx512Vnni || job.path == kAmx) quantize = quantize_row_avx512;
+#endif
     for (int64_t r = 0; r < rows; ++r)
-      quantize_row(xd + r * k, k, p.bits, qa.data() + r * k, dx.data() + r * p.blocks, sx.data() + r * p.blocks,
-                   qsum.data() + r * p.blocks);
+      quantize(xd + r * k, k, p.bits, qa.data() + r * k, dx.data() + r * p.blocks, sx.data() + r * p.blocks,
+               qsum.data() + r * p.blocks);
     job.qa = qa.data();
     job.dx = dx.data();
     job.sx = sx.data();
@@ -872,7 +911,18 @@ struct AttnJob {
   float* tiles;  // in_place: [B, KV, n_tiles, D, 16], the cache's keys of the blocks some row sees
   const int32_t* slot;  // in_place: [B, nb_p], the tile of a block some row of batch b sees, else −1
   int64_t n_tiles;  // in_place: most blocks seen in one batch entry
+  const struct AttnGroup* groups;  // AVX-512: rows computed together (attention_group), else null
+  const int32_t* group_rows;       // the groups' rows: indices into a head's G·S rows
+  bool direct;                     // groups read the cache's keys in place, transposed in registers (no tiles)
 };
+
+// Rows of one batch entry and KV head that see the same key blocks — the G query heads of a step
+// row, and the step rows whose seen blocks agree — computed in one sweep (attention_group).
+struct AttnGroup {
+  int64_t bi, h;
+  int32_t first, count;  // group_rows[first, first + count)
+};
+constexpr int kGroupRows = 8;  // rows per group (the score accumulators in registers)
 
 constexpr int64_t kKeys = 16;  // key columns per block
 
@@ -922,6 +972,51 @@ inline bool block_seen(const bool* m, int64_t n) {
   return false;
 }
 
+// The softmax of one row over the blocks it sees, in place in scores[0, P+S): the largest visible
+// score, exp(score − top) for every key of a seen block, and the sum of the visible ones in key order
+// (returned). The same operations for a row computed alone or in a group.
+template <bool WIDE>
+#ifdef LADE_X86
+__attribute__((target("avx512f,fma")))
+#endif
+float softmax_row(const AttnJob& job, const bool* masked, const uint8_t* seen, float* scores) {
+  const int64_t p = job.p, s = job.s;
+  float top = -INFINITY;
+  for (int part = 0; part < 2; ++part) {
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j)
+        if (!masked[j]) top = std::max(top, scores[j]);
+    }
+  }
+  for (int part = 0; part < 2; ++part) {  // exp(score − top) for every key of a seen block
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      int64_t j = at + i * kKeys;
+      const int64_t end = at + std::min(n, (i + 1) * kKeys);
+#ifdef LADE_X86
+      if (WIDE && end - j == kKeys) {
+        _mm512_storeu_ps(scores + j, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), _mm512_set1_ps(top))));
+        continue;
+      }
+#endif
+      for (; j < end; ++j) scores[j] = exp_scalar(scores[j] - top);
+    }
+  }
+  float sum = 0.0f;
+  for (int part = 0; part < 2; ++part) {
+    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (!seen[(part ? job.nb_p : 0) + i]) continue;
+      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j)
+        if (!masked[j]) sum += scores[j];
+    }
+  }
+  return sum;
+}
+
 template <bool WIDE>
 #ifdef LADE_X86
 __attribute__((target("avx512f,fma")))
@@ -962,40 +1057,7 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
       }
     }
   }
-  float top = -INFINITY;
-  for (int part = 0; part < 2; ++part) {
-    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
-    for (int64_t i = 0; i < blocks; ++i) {
-      if (!seen[(part ? job.nb_p : 0) + i]) continue;
-      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j)
-        if (!masked[j]) top = std::max(top, scores[j]);
-    }
-  }
-  for (int part = 0; part < 2; ++part) {  // exp(score − top) for every key of a seen block
-    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
-    for (int64_t i = 0; i < blocks; ++i) {
-      if (!seen[(part ? job.nb_p : 0) + i]) continue;
-      int64_t j = at + i * kKeys;
-      const int64_t end = at + std::min(n, (i + 1) * kKeys);
-#ifdef LADE_X86
-      if (WIDE && end - j == kKeys) {
-        _mm512_storeu_ps(scores.data() + j, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j),
-                                                                     _mm512_set1_ps(top))));
-        continue;
-      }
-#endif
-      for (; j < end; ++j) scores[j] = exp_scalar(scores[j] - top);
-    }
-  }
-  float sum = 0.0f;
-  for (int part = 0; part < 2; ++part) {
-    const int64_t n = part ? s : p, at = part ? p : 0, blocks = part ? job.nb_s : job.nb_p;
-    for (int64_t i = 0; i < blocks; ++i) {
-      if (!seen[(part ? job.nb_p : 0) + i]) continue;
-      for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j)
-        if (!masked[j]) sum += scores[j];
-    }
-  }
+  const float sum = softmax_row<WIDE>(job, masked, seen, scores.data());
   float* out = job.out + index * d;
   for (int64_t e = 0; e < d; ++e) out[e] = 0.0f;
   for (int part = 0; part < 2; ++part) {
@@ -1028,6 +1090,276 @@ void run_attention(void* data, size_t task) {
   attention_row<false>(job, static_cast<int64_t>(task), scores);
 }
 
+#ifdef LADE_X86
+// A group of rows (AttnGroup) in one sweep over the blocks they all see: each key block (and each
+// value row) is loaded once for the group and feeds the group's independent FMA chains, where
+// attention_row reloads it per row and runs one chain. Every row's arithmetic is attention_row's
+// on the AVX-512 path, operation for operation in the same order — its 16-lane score FMAs over
+// the elements, × scale; softmax_row; weight = exp / sum (a vector division, IEEE like the scalar
+// one); out = Σ fma(weight, value, out) over its visible keys in key order from 0, a masked key
+// leaving the lanes untouched (mask3 FMA) instead of skipped — so a row's bits are those it has
+// alone, in any group, step or thread split.
+#define LADE_ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+// t[k] = element k of keys c = 0…15 (lane c; the row of key c at keys + c·stride, zeros for c ≥ width):
+// a 16 × 16 transpose in registers, data movement only.
+LADE_ATTN512 inline void transpose16(const float* keys, int64_t stride, int64_t width, __m512* t) {
+  __m512 r[16];
+  for (int64_t c = 0; c < kKeys; ++c) r[c] = c < width ? _mm512_loadu_ps(keys + c * stride) : _mm512_setzero_ps();
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of r[4i + k]: element 4L + k of keys 4i … 4i + 3
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of r[k], r[4 + k], r[8 + k], r[12 + k]: element 4L + k
+    const __m512 s0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), s1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD),
+                 s2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88), s3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+    t[k] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+    t[k + 8] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
+    t[k + 4] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+    t[k + 12] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
+  }
+}
+
+// Scores of N rows over one cache block read from the sequence-major cache itself (keys: the block's
+// first key, stride KV·D; D a multiple of 16), 16 elements at a time transposed in registers: the
+// FMAs of group_scores over a [D, 16] tile, in the same order, without the tile.
+template <int N>
+LADE_ATTN512 void group_scores_direct(const float* const* q, const float* keys, int64_t stride, int64_t width,
+                                      int64_t d, float scale, float* const* dst) {
+  const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+  __m512 acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t e0 = 0; e0 < d; e0 += 16) {
+    __m512 t[16];
+    transpose16(keys + e0, stride, width, t);
+    for (int k = 0; k < 16; ++k)
+      for (int r = 0; r < N; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][e0 + k]), t[k], acc[r]);
+  }
+  for (int r = 0; r < N; ++r) _mm512_mask_storeu_ps(dst[r], lanes, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+}
+
+// Scores of N rows over NB seen blocks (cols[b], stride[b], lanes[b]; dst[b][r]: where row r's go).
+template <int N, int NB>
+LADE_ATTN512 void group_scores(const float* const* q, const float* const* cols, const int64_t* stride,
+                               const __mmask16* lanes, int64_t d, float scale, float* const (*dst)[kGroupRows]) {
+  __m512 acc[NB][N];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < N; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e)
+    for (int b = 0; b < NB; ++b) {
+      const __m512 key = _mm512_maskz_loadu_ps(lanes[b], cols[b] + e * stride[b]);
+      for (int r = 0; r < N; ++r) acc[b][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][e]), key, acc[b][r]);
+    }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < N; ++r)
+      _mm512_mask_storeu_ps(dst[b][r], lanes[b], _mm512_mul_ps(acc[b][r], _mm512_set1_ps(scale)));
+}
+
+// out[r] = Σ_j fma(w[r][j], value_j, ·) over the keys of the seen blocks, in order, for N rows whose
+// D elements fill DV vectors (vmask: the lanes of each).
+template <int DV, int N>
+LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const int64_t* blocks, int64_t nblocks,
+                               const bool* const* masked, const float* const* w, float* const* out,
+                               const __mmask16* vmask) {
+  const int64_t d = job.d, p = job.p, s = job.s, kv = job.kv;
+  __m512 acc[N][DV];
+  for (int r = 0; r < N; ++r)
+    for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t at = 0; at < nblocks; ++at) {
+    const int64_t gi = blocks[at], part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
+    const int64_t base = part ? p : 0, j0 = base + i * kKeys, end = base + std::min((part ? s : p), (i + 1) * kKeys);
+    for (int64_t j = j0; j < end; ++j) {
+      const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
+                                                 : job.pv + ((bi * kv + h) * p + j) * d)
+                                 : job.v + ((bi * kv + h) * s + j - p) * d;
+      __m512 v[DV];
+      for (int x = 0; x < DV; ++x) v[x] = _mm512_maskz_loadu_ps(vmask[x], value + 16 * x);
+      for (int r = 0; r < N; ++r) {
+        const __mmask16 sees = masked[r][j] ? 0 : 0xffff;
+        const __m512 weight = _mm512_set1_ps(w[r][j]);
+        for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_mask3_fmadd_ps(weight, v[x], acc[r][x], sees);
+      }
+    }
+  }
+  for (int r = 0; r < N; ++r)
+    for (int x = 0; x < DV; ++x) _mm512_mask_storeu_ps(out[r] + 16 * x, vmask[x], acc[r][x]);
+}
+
+// Rows [0, n) of a group in chunks of R (their accumulators fit the 32 vector registers).
+template <int DV>
+LADE_ATTN512 void group_values_chunks(const AttnJob& job, int64_t bi, int64_t h, const int64_t* blocks,
+                                      int64_t nblocks, const bool* const* masked, const float* const* w,
+                                      float* const* out, const __mmask16* vmask, int n) {
+  constexpr int R = DV >= 8 ? 3 : DV >= 4 ? 6 : 8;
+  for (int c = 0; c < n; c += R) {
+    const int m = std::min(R, n - c);
+#define LADE_VALUES(M)                                                                                          \
+  case M:                                                                                                     \
+    if constexpr (M <= R) group_values<DV, M>(job, bi, h, blocks, nblocks, masked + c, w + c, out + c, vmask); \
+    break;
+    switch (m) { LADE_VALUES(1) LADE_VALUES(2) LADE_VALUES(3) LADE_VALUES(4) LADE_VALUES(5) LADE_VALUES(6)
+                 LADE_VALUES(7) LADE_VALUES(8) }
+#undef LADE_VALUES
+  }
+}
+
+// Block gi of the seen list (cache blocks, then the step's): its first column j0 in [0, P+S), and its key lanes.
+LADE_ATTN512 inline void seen_block(const AttnJob& job, int64_t gi, int64_t& j0, __mmask16& lanes) {
+  const int64_t part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
+  const int64_t width = std::min(kKeys, (part ? job.s : job.p) - i * kKeys);
+  j0 = (part ? job.p : 0) + i * kKeys;
+  lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+}
+
+// The lanes of `lanes` whose mask byte at m is 0 (keys the row sees).
+LADE_ATTN512 inline __mmask16 visible_keys(const bool* m, __mmask16 lanes) {
+  return _mm_mask_cmpeq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, m), _mm_setzero_si128());
+}
+
+// softmax_row for the n rows of a group, with its results: top = the largest visible score (here a
+// running maximum per lane, then over the lanes: the maximum of the same non-NaN values, NaN scores
+// ignored as std::max ignores them; only the sign of a zero top can differ, and exp(score − top)
+// does not see it, exp(±0) being 1 on every path); exp(score − top) for every key of a seen block
+// (the same calls); the sum of the visible ones in key order, each row its own chain (a masked key
+// adds +0, which leaves a sum of exps — never −0 — unchanged). sums[r]: row r's sum.
+LADE_ATTN512 void group_softmax(const AttnJob& job, const int64_t* blocks, int64_t nblocks, const bool* const* masked,
+                                float* const* scores, int n, float* sums) {
+  const int64_t p = job.p, s = job.s;
+  for (int r = 0; r < n; ++r) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t at = 0; at < nblocks; ++at) {
+      int64_t j0;
+      __mmask16 lanes;
+      seen_block(job, blocks[at], j0, lanes);
+      const __mmask16 sees = visible_keys(masked[r] + j0, lanes);
+      top = _mm512_mask_max_ps(top, sees, _mm512_maskz_loadu_ps(lanes, scores[r] + j0), top);
+    }
+    const float most = _mm512_reduce_max_ps(top);
+    for (int64_t at = 0; at < nblocks; ++at) {
+      int64_t j0;
+      __mmask16 lanes;
+      seen_block(job, blocks[at], j0, lanes);
+      if (lanes == 0xffff) {
+        _mm512_storeu_ps(scores[r] + j0, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores[r] + j0), _mm512_set1_ps(most))));
+      } else {
+        for (int64_t j = j0; j < j0 + __builtin_popcount(lanes); ++j) scores[r][j] = exp_scalar(scores[r][j] - most);
+      }
+    }
+  }
+  float acc[kGroupRows];
+  for (int r = 0; r < n; ++r) acc[r] = 0.0f;
+  for (int64_t at = 0; at < nblocks; ++at) {
+    int64_t j0;
+    __mmask16 lanes;
+    seen_block(job, blocks[at], j0, lanes);
+    const int64_t width = __builtin_popcount(lanes);
+    for (int64_t j = j0; j < j0 + width; ++j)
+      for (int r = 0; r < n; ++r) acc[r] += masked[r][j] ? 0.0f : scores[r][j];
+  }
+  for (int r = 0; r < n; ++r) sums[r] = acc[r];
+}
+
+LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, std::vector<float>& buffer,
+                                  std::vector<int64_t>& blocks) {
+  const int64_t d = job.d, p = job.p, s = job.s, total = p + s, kv = job.kv, bi = group.bi, h = group.h;
+  const int n = group.count;
+  buffer.resize(static_cast<size_t>(n * total));
+  const float* q[kGroupRows];
+  float* scores[kGroupRows];
+  float* out[kGroupRows];
+  const bool* masked[kGroupRows];
+  for (int r = 0; r < n; ++r) {
+    const int64_t row = job.group_rows[group.first + r], index = (bi * kv + h) * job.rows + row;
+    q[r] = job.q + index * d;
+    out[r] = job.out + index * d;
+    masked[r] = job.masked + (bi * s + row % s) * total;
+    scores[r] = buffer.data() + r * total;
+  }
+  const uint8_t* seen = job.seen + (bi * s + job.group_rows[group.first] % s) * (job.nb_p + job.nb_s);
+  blocks.clear();
+  for (int64_t gi = 0; gi < job.nb_p + job.nb_s; ++gi)
+    if (seen[gi]) blocks.push_back(gi);
+  const int64_t nblocks = static_cast<int64_t>(blocks.size());
+  const float* keys_tiles = job.in_place ? job.tiles + (bi * kv + h) * job.n_tiles * d * kKeys : nullptr;
+  int64_t at = 0;
+  if (job.direct)  // the cache's blocks straight from the sequence-major cache (no tiles were made)
+    for (; at < nblocks && blocks[at] < job.nb_p; ++at) {
+      const int64_t j0 = blocks[at] * kKeys, width = std::min(kKeys, p - j0);
+      const float* keys = job.pk + ((bi * p + j0) * kv + h) * d;
+      float* dst[kGroupRows];
+      for (int r = 0; r < n; ++r) dst[r] = scores[r] + j0;
+#define LADE_DIRECT(M) \
+  case M:              \
+    group_scores_direct<M>(q, keys, kv * d, width, d, job.scale, dst); \
+    break;
+      switch (n) { LADE_DIRECT(1) LADE_DIRECT(2) LADE_DIRECT(3) LADE_DIRECT(4) LADE_DIRECT(5) LADE_DIRECT(6)
+                   LADE_DIRECT(7) LADE_DIRECT(8) }
+#undef LADE_DIRECT
+    }
+  // scores: two blocks at a time for groups of up to 4 rows (more chains in flight), else one
+  const int pair = n <= 4 ? 2 : 1;
+  for (; at < nblocks; at += pair) {
+    const int nb = static_cast<int>(std::min<int64_t>(pair, nblocks - at));
+    const float* cols[2];
+    int64_t stride[2];
+    __mmask16 lanes[2];
+    float* dst[2][kGroupRows];
+    for (int b = 0; b < nb; ++b) {
+      const int64_t gi = blocks[at + b], part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
+      const int64_t keys = part ? s : p, j0 = i * kKeys, width = std::min(kKeys, keys - j0);
+      const bool tiled = !part && job.in_place;
+      cols[b] = tiled ? keys_tiles + job.slot[bi * job.nb_p + i] * d * kKeys
+                      : (part ? job.k : job.pk) + (bi * kv + h) * d * keys + j0;
+      stride[b] = tiled ? kKeys : keys;
+      lanes[b] = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+      for (int r = 0; r < n; ++r) dst[b][r] = scores[r] + (part ? p : 0) + j0;
+    }
+#define LADE_SCORES(M)                                                                       \
+  case M:                                                                                  \
+    if (nb == 2) group_scores<M, 2>(q, cols, stride, lanes, d, job.scale, dst);            \
+    else group_scores<M, 1>(q, cols, stride, lanes, d, job.scale, dst);                    \
+    break;
+    switch (n) { LADE_SCORES(1) LADE_SCORES(2) LADE_SCORES(3) LADE_SCORES(4) LADE_SCORES(5) LADE_SCORES(6)
+                 LADE_SCORES(7) LADE_SCORES(8) }
+#undef LADE_SCORES
+  }
+  float sums[kGroupRows];
+  group_softmax(job, blocks.data(), nblocks, masked, scores, n, sums);
+  for (int r = 0; r < n; ++r) {  // weight = exp / sum over the seen blocks' keys
+    const __m512 sum = _mm512_set1_ps(sums[r]);
+    for (int64_t at = 0; at < nblocks; ++at) {
+      const int64_t gi = blocks[at], part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
+      const int64_t keys = part ? s : p, j0 = (part ? p : 0) + i * kKeys, width = std::min(kKeys, keys - i * kKeys);
+      const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+      _mm512_mask_storeu_ps(scores[r] + j0, lanes, _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, scores[r] + j0), sum));
+    }
+  }
+  __mmask16 vmask[8];
+  for (int x = 0; x < 8; ++x) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, d - 16 * x));
+    vmask[x] = static_cast<__mmask16>(left == 16 ? 0xffff : (1u << left) - 1);
+  }
+  const float* const* w = scores;
+  if (d <= 16) return group_values_chunks<1>(job, bi, h, blocks.data(), nblocks, masked, w, out, vmask, n);
+  if (d <= 32) return group_values_chunks<2>(job, bi, h, blocks.data(), nblocks, masked, w, out, vmask, n);
+  if (d <= 64) return group_values_chunks<4>(job, bi, h, blocks.data(), nblocks, masked, w, out, vmask, n);
+  group_values_chunks<8>(job, bi, h, blocks.data(), nblocks, masked, w, out, vmask, n);
+}
+
+void run_attention_groups(void* data, size_t task) {
+  const AttnJob& job = *static_cast<const AttnJob*>(data);
+  thread_local std::vector<float> buffer;
+  thread_local std::vector<int64_t> blocks;
+  attention_group(job, job.groups[task], buffer, blocks);
+}
+#endif
+
 // In-place cache (past_layout 1): the keys of the blocks some row of batch b sees, laid out as
 // [D, 16] tiles (what the graph's Transpose gave, for those blocks only; a copy, no arithmetic).
 // Task = (b, kv head, kTileTasks consecutive blocks).
@@ -1050,28 +1382,9 @@ void tiles_of(const AttnJob& job, int64_t task) {
 #ifdef LADE_X86
     if (WIDE && d % 16 == 0) {  // 16 keys × 16 elements at a time, transposed in registers
       for (int64_t e0 = 0; e0 < d; e0 += 16) {
-        __m512 r[16], t[16];
-        for (int64_t c = 0; c < kKeys; ++c)
-          r[c] = c < width ? _mm512_loadu_ps(keys + c * kv * d + e0) : _mm512_setzero_ps();
-        for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 4; ++i) {  // lane L of r[4i + k]: element 4L + k of keys 4i … 4i + 3
-          r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-          r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-          r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-          r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-        }
-        for (int k = 0; k < 4; ++k) {  // gather lane L of r[k], r[4 + k], r[8 + k], r[12 + k]: element 4L + k
-          const __m512 s0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), s1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD),
-                       s2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88),
-                       s3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
-          _mm512_storeu_ps(tile + (e0 + k) * kKeys, _mm512_shuffle_f32x4(s0, s2, 0x88));
-          _mm512_storeu_ps(tile + (e0 + k + 8) * kKeys, _mm512_shuffle_f32x4(s0, s2, 0xDD));
-          _mm512_storeu_ps(tile + (e0 + k + 4) * kKeys, _mm512_shuffle_f32x4(s1, s3, 0x88));
-          _mm512_storeu_ps(tile + (e0 + k + 12) * kKeys, _mm512_shuffle_f32x4(s1, s3, 0xDD));
-        }
+        __m512 t[16];
+        transpose16(keys + e0, kv * d, width, t);
+        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(tile + (e0 + k) * kKeys, t[k]);
       }
       continue;
     }
@@ -1143,13 +1456,56 @@ struct AttentionKernel {
           if (slot[bi * nb_p + i] == 0) slot[bi * nb_p + i] = count++;
         n_tiles = std::max<int64_t>(n_tiles, count);
       }
-      if (in_place) tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
       AttnJob job{q.GetTensorData<float>(), pk.GetTensorData<float>(), k.GetTensorData<float>(),
                   pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
                   b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>(),
-                  in_place, seen.data(), nb_p, nb_s, in_place ? tiles.data() : nullptr, slot.data(), n_tiles};
-      if (in_place && b * kv * n_tiles)
-        ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
+                  in_place, seen.data(), nb_p, nb_s, nullptr, slot.data(), n_tiles,
+                  nullptr, nullptr, false};
+#ifdef LADE_X86
+      if (dispatch().float_avx512 && d <= 128 && b * kv * rows) {  // rows that see the same blocks, in groups
+        thread_local std::vector<AttnGroup> groups;
+        thread_local std::vector<int32_t> group_rows;
+        thread_local std::vector<int32_t> readers;  // [B, nb_p]: groups per head that see the cache block
+        groups.clear();
+        group_rows.clear();
+        readers.assign(static_cast<size_t>(b * nb_p), 0);
+        const int64_t heads = rows / s, width = nb_p + nb_s;
+        for (int64_t bi = 0; bi < b; ++bi)
+          for (int64_t t0 = 0, t1; t0 < s; t0 = t1) {  // step rows [t0, t1) see the same blocks
+            const uint8_t* flags = seen.data() + (bi * s + t0) * width;
+            for (t1 = t0 + 1; t1 < s && std::memcmp(seen.data() + (bi * s + t1) * width, flags, width) == 0;) ++t1;
+            const int64_t first = static_cast<int64_t>(group_rows.size()), count = (t1 - t0) * heads;
+            for (int64_t t = t0; t < t1; ++t)  // the query heads of a step row side by side
+              for (int64_t g = 0; g < heads; ++g) group_rows.push_back(static_cast<int32_t>(g * s + t));
+            const int64_t parts = (count + kGroupRows - 1) / kGroupRows, size = (count + parts - 1) / parts;
+            for (int64_t h = 0; h < kv; ++h)
+              for (int64_t at = 0; at < count; at += size)
+                groups.push_back({bi, h, static_cast<int32_t>(first + at),
+                                  static_cast<int32_t>(std::min(size, count - at))});
+            for (int64_t i = 0; i < nb_p; ++i) readers[bi * nb_p + i] += flags[i] ? static_cast<int32_t>(parts) : 0;
+          }
+        // A cache block read by one or two groups is transposed in registers by each; by more, copied once
+        // into a tile that they all load (the copy costs about what two in-register transposes cost).
+        job.direct = in_place && d % 16 == 0 &&
+                     (readers.empty() || *std::max_element(readers.begin(), readers.end()) <= 2);
+        if (in_place && !job.direct) {
+          tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
+          job.tiles = tiles.data();
+          if (b * kv * n_tiles)
+            ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
+        }
+        job.groups = groups.data();
+        job.group_rows = group_rows.data();
+        ctx.ParallelFor(run_attention_groups, groups.size(), 0, &job);
+        return nullptr;
+      }
+#endif
+      if (in_place) {
+        tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
+        job.tiles = tiles.data();
+        if (b * kv * n_tiles)
+          ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
+      }
       if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
       return nullptr;
     } catch (const std::exception& e) {
