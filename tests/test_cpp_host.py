@@ -1,7 +1,8 @@
 """The C++ host in examples/cpp, built with CMake against pybind11's embed API and run on
 stories260K: four concurrent requests from C++ threads (one cancelled midway) share the
 scheduler's passes and each gives its solo run's text (the Python API without a
-scheduler), and a Python error reaches C++ as an exception with its message."""
+scheduler), also with a small token budget and KV pool and without a scheduler; a Python
+error reaches C++ as an exception with its message, a bad command line is one line."""
 
 import json
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import lade_export
+from lade_export.scheduler import MAX_BATCH, TOKEN_BUDGET
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +35,21 @@ def lade_host(tmp_path_factory):
     return build / "lade_host"
 
 
-def test_cpp_threads_stream_the_python_api_text_and_cancel_one(lade_host, stories_artifact):
-    proc = subprocess.run([str(lade_host), str(stories_artifact), "64"], capture_output=True, text=True, timeout=300)
+# the options as given to lade_host, and the scheduler options the run must report
+RUNS = {"defaults": ([], {"max_batch": MAX_BATCH, "token_budget": TOKEN_BUDGET,
+                          "kv_tokens": MAX_BATCH * 512}),  # stories260K's context: 512 tokens
+        # a budget of 4 rows defers or isolates every lookahead step; 256 KV tokens hold three of the
+        # four requests (prompt + 64 each), so one waits for a place
+        "small-budget-and-pool": (["--token-budget", "4", "--kv-tokens=256"],
+                                  {"max_batch": 8, "token_budget": 4, "kv_tokens": 256}),
+        "no-batching": (["--no-batching"], None)}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=list(RUNS))
+def test_cpp_threads_stream_the_python_api_text_and_cancel_one(lade_host, stories_artifact, run):
+    options, applied = RUNS[run]
+    proc = subprocess.run([str(lade_host), str(stories_artifact), "64", *options], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     [counters] = [line for line in proc.stderr.splitlines() if line.startswith("[scheduler] ")]
@@ -54,6 +69,10 @@ def test_cpp_threads_stream_the_python_api_text_and_cancel_one(lade_host, storie
     # the streamed pieces went to the C++ callback (stderr), tagged by request
     assert all(f"[request {i}] " in proc.stderr for i in range(4))
     assert rows[4]["error"].startswith("ProfileError: profile file not found: no-such-profile (give a TOML path")
+    if applied is None:  # --no-batching: no scheduler was loaded
+        assert scheduler is None
+        return
+    assert {k: scheduler[k] for k in applied} == applied  # the options reached lade_export.load
     # the scheduler packed them: alone each decode step is a pass (and each prompt at least
     # one more); the four took fewer passes than their decode steps
     steps = sum(r["steps"] for r in rows[:4])
@@ -65,3 +84,18 @@ def test_a_missing_artifact_is_a_one_line_error_in_cpp(lade_host, tmp_path):
     proc = subprocess.run([str(lade_host), str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: artifact directory not found: {tmp_path / 'none'}"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--token-budget", "abc"], "--token-budget must be an integer from 1 to 2147483647, got 'abc'"),
+    (["--kv-tokens=0"], "--kv-tokens must be an integer from 1 to 2147483647, got '0'"),
+    (["--kv-tokens", "99999999999"], "--kv-tokens must be an integer from 1 to 2147483647, got '99999999999'"),
+    (["--token-budget"], "--token-budget needs a value"),
+    (["12x"], "MAX_NEW_TOKENS must be an integer from 1 to 2147483647, got '12x'"),
+    (["--no-batching", "--token-budget", "8"], "--token-budget is an option of the scheduler, and --no-batching "
+                                               "loads none"),
+    (["--max-batch", "2"], "unknown option --max-batch (options: --token-budget T, --kv-tokens K, --no-batching)"),
+])
+def test_a_bad_command_line_is_a_one_line_error_in_cpp(lade_host, stories_artifact, args, message):
+    proc = subprocess.run([str(lade_host), str(stories_artifact), *args], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")

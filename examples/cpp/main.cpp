@@ -8,7 +8,14 @@
 // message. Results are printed one JSON object per line on stdout; the streamed text
 // and the scheduler's pass counters go to stderr.
 //
-// Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS]
+// Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K] [--no-batching]
+//
+// MAX_NEW_TOKENS (default 64) is each request's cap. --token-budget (rows of a pass that
+// holds decode steps) and --kv-tokens (most tokens the KV pool holds over all requests)
+// are the scheduler's options of those names, as in lade-export serve and lade-export
+// triton (defaults: the scheduler's); --no-batching loads the model without a scheduler,
+// each request then running its own passes on the shared engine. A bad value is one line
+// on stderr (error: ...) and exit status 2.
 //
 // Threads, the scheduler and the GIL: the main thread releases the GIL once the model is
 // loaded. The concurrent requests share forward passes: each pass carries the next step
@@ -25,7 +32,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
@@ -86,13 +95,25 @@ struct Request {
   bool lookahead = true;
 };
 
+// How the artifact is loaded: lade_export.load's batching, token_budget and kv_tokens
+// (an unset option: the scheduler's default).
+struct LoadOptions {
+  bool batching = true;
+  std::optional<int> token_budget;
+  std::optional<int> kv_tokens;
+};
+
 // One loaded artifact; thread-safe: any thread may call stream() at the same time.
 class Model {
  public:
-  explicit Model(const std::string& artifact_dir) {
+  Model(const std::string& artifact_dir, const LoadOptions& options) {
     py::gil_scoped_acquire gil;
     try {
-      model_ = py::module_::import("lade_export").attr("load")(artifact_dir, py::arg("batching") = true);
+      py::dict kwargs;
+      kwargs["batching"] = options.batching;
+      if (options.token_budget) kwargs["token_budget"] = *options.token_budget;
+      if (options.kv_tokens) kwargs["kv_tokens"] = *options.kv_tokens;
+      model_ = py::module_::import("lade_export").attr("load")(artifact_dir, **kwargs);
     } catch (py::error_already_set& err) {
       rethrow(err);
     }
@@ -139,10 +160,17 @@ class Model {
   }
 
   // The scheduler's counters as one JSON object: passes run, passes that carried more
-  // than one request, and the most requests one pass carried.
+  // than one request, the most requests one pass carried, and its options as applied
+  // (max_batch, token_budget, kv_tokens); {"scheduler": null} without one (--no-batching).
   std::string scheduler_json() const {
     py::gil_scoped_acquire gil;
+    py::object json = py::module_::import("json");
     py::object s = model_.attr("scheduler");
+    py::dict line;
+    if (s.is_none()) {
+      line["scheduler"] = py::none();
+      return py::str(json.attr("dumps")(line));
+    }
     py::dict shapes(s.attr("pass_shapes"));  // (requests, rows) -> passes
     int shared = 0, most = 0;
     for (auto item : shapes) {
@@ -154,9 +182,9 @@ class Model {
     d["passes"] = s.attr("passes");
     d["shared_passes"] = shared;
     d["most_requests_per_pass"] = most;
-    py::dict line;
+    for (const char* option : {"max_batch", "token_budget", "kv_tokens"}) d[option] = s.attr(option);
     line["scheduler"] = d;
-    return py::str(py::module_::import("json").attr("dumps")(line));
+    return py::str(json.attr("dumps")(line));
   }
 
  private:
@@ -205,15 +233,88 @@ std::string json_line(int id, const lade::Request& req, const lade::Result& r, c
   return py::str(py::module_::import("json").attr("dumps")(d, py::arg("ensure_ascii") = false));
 }
 
+const char* const kUsage =
+    "usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K] [--no-batching]";
+
+// A bad command line: its message is the one line the host prints after "error: ".
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Arguments {
+  std::string artifact;
+  int max_new_tokens = 64;
+  lade::LoadOptions load;
+};
+
+// A count from the command line: decimal digits only, 1 to INT_MAX.
+int parse_count(const std::string& what, const std::string& text) {
+  const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  errno = 0;
+  const long long value = digits ? std::strtoll(text.c_str(), nullptr, 10) : 0;
+  if (!digits || errno == ERANGE || value < 1 || value > INT_MAX)
+    throw UsageError(what + " must be an integer from 1 to " + std::to_string(INT_MAX) + ", got '" + text + "'");
+  return static_cast<int>(value);
+}
+
+// ARTIFACT_DIR [MAX_NEW_TOKENS] and the options, in any order ("--option VALUE" or
+// "--option=VALUE"). Throws UsageError.
+Arguments parse_arguments(int argc, char** argv) {
+  Arguments args;
+  std::vector<std::string> positional;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0) {
+      positional.push_back(arg);
+      continue;
+    }
+    std::string name = arg, value;
+    const size_t eq = arg.find('=');
+    const bool inline_value = eq != std::string::npos;
+    if (inline_value) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+    }
+    if (name == "--no-batching") {
+      if (inline_value) throw UsageError("--no-batching takes no value");
+      args.load.batching = false;
+    } else if (name == "--token-budget" || name == "--kv-tokens") {
+      if (!inline_value) {
+        if (i + 1 == argc) throw UsageError(name + " needs a value");
+        value = argv[++i];
+      }
+      (name == "--token-budget" ? args.load.token_budget : args.load.kv_tokens) = parse_count(name, value);
+    } else {
+      throw UsageError("unknown option " + name + " (options: --token-budget T, --kv-tokens K, --no-batching)");
+    }
+  }
+  if (positional.empty()) throw UsageError("give the artifact directory: " + std::string(kUsage));
+  if (positional.size() > 2) throw UsageError("unexpected argument '" + positional[2] + "': " + kUsage);
+  args.artifact = positional[0];
+  if (positional.size() == 2) args.max_new_tokens = parse_count("MAX_NEW_TOKENS", positional[1]);
+  if (!args.load.batching) {  // without a scheduler its options would be ignored: say so instead
+    for (const auto& [flag, value] : {std::pair{"--token-budget", args.load.token_budget},
+                                      std::pair{"--kv-tokens", args.load.kv_tokens}})
+      if (value) throw UsageError(std::string(flag) + " is an option of the scheduler, and --no-batching loads none");
+  }
+  return args;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS]\n";
+    std::cerr << kUsage << "\n";
     return 2;
   }
-  const std::string artifact = argv[1];
-  const int max_new = argc > 2 ? std::atoi(argv[2]) : 64;
+  Arguments args;
+  try {
+    args = parse_arguments(argc, argv);
+  } catch (const UsageError& err) {
+    std::cerr << "error: " << err.what() << "\n";
+    return 2;
+  }
+  const int max_new = args.max_new_tokens;
 
   PyConfig config = interpreter_config();
   py::scoped_interpreter interpreter{&config};
@@ -221,7 +322,7 @@ int main(int argc, char** argv) {
 
   std::optional<lade::Model> model;
   try {
-    model.emplace(artifact);
+    model.emplace(args.artifact, args.load);
   } catch (const lade::Error& err) {
     std::cerr << "error: " << err.what() << "\n";
     return 2;

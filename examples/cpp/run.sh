@@ -2,7 +2,7 @@
 # Build the C++ host (examples/cpp/README.md) with CMake against the active Python
 # environment's lade-export and pybind11, then run it on an artifact:
 #
-#   bash examples/cpp/run.sh ARTIFACT_DIR [MAX_NEW_TOKENS]
+#   bash examples/cpp/run.sh ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K] [--no-batching]
 #
 # The build goes to examples/cpp/build/ (ignored by git).
 set -euo pipefail
