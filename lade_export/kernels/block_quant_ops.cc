@@ -823,9 +823,14 @@ struct MatMulKernel {
     job.rows = rows;
     job.y = yd;
     job.path = dispatch().int_path;
-    std::vector<int8_t> qa(static_cast<size_t>(rows * k));
-    std::vector<float> dx(static_cast<size_t>(rows * p.blocks)), sx(dx.size());
-    std::vector<int32_t> qsum(dx.size());
+    // per calling thread, kept for the next call (ParallelFor's workers only read them while it waits)
+    thread_local std::vector<int8_t> qa;
+    thread_local std::vector<float> dx, sx;
+    thread_local std::vector<int32_t> qsum;
+    qa.resize(static_cast<size_t>(rows * k));
+    dx.resize(static_cast<size_t>(rows * p.blocks));
+    sx.resize(dx.size());
+    qsum.resize(dx.size());
     auto quantize = quantize_row;
 #ifdef LADE_X86
     if (job.path == kAvx512Vnni || job.path == kAmx) quantize = quantize_row_avx512;
@@ -1470,6 +1475,9 @@ struct AttentionKernel {
         group_rows.clear();
         readers.assign(static_cast<size_t>(b * nb_p), 0);
         const int64_t heads = rows / s, width = nb_p + nb_s;
+        // rows per group: as many as the value sweep holds in registers (group_values_chunks), so that
+        // each group reads the values once
+        const int64_t most = d <= 32 ? kGroupRows : d <= 64 ? 6 : 3;
         for (int64_t bi = 0; bi < b; ++bi)
           for (int64_t t0 = 0, t1; t0 < s; t0 = t1) {  // step rows [t0, t1) see the same blocks
             const uint8_t* flags = seen.data() + (bi * s + t0) * width;
@@ -1477,7 +1485,7 @@ struct AttentionKernel {
             const int64_t first = static_cast<int64_t>(group_rows.size()), count = (t1 - t0) * heads;
             for (int64_t t = t0; t < t1; ++t)  // the query heads of a step row side by side
               for (int64_t g = 0; g < heads; ++g) group_rows.push_back(static_cast<int32_t>(g * s + t));
-            const int64_t parts = (count + kGroupRows - 1) / kGroupRows, size = (count + parts - 1) / parts;
+            const int64_t parts = (count + most - 1) / most, size = (count + parts - 1) / parts;
             for (int64_t h = 0; h < kv; ++h)
               for (int64_t at = 0; at < count; at += size)
                 groups.push_back({bi, h, static_cast<int32_t>(first + at),
