@@ -37,6 +37,9 @@ class _Group(click.Group):
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as done:
             sys.exit(done.exit_code)
+        except click.exceptions.NoArgsIsHelpError as err:  # a bare group: its help, as click prints it
+            click.echo(err.format_message(), err=True)
+            sys.exit(2)
         except click.UsageError as err:
             # the command as it was run, as click's own usage lines name it ("lade-export serve",
             # "python -m lade_export.cli serve"): the hint runs as written where the error appeared

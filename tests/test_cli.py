@@ -191,3 +191,11 @@ def test_a_usage_error_hint_names_the_command_as_it_was_run():
         unknown = subprocess.run([*program, "nosuch"], capture_output=True, text=True, timeout=60)
         assert unknown.returncode == 2
         assert one_line_error(unknown) == f"error: No such command 'nosuch'. (see: {name} --help)"
+
+
+def test_the_program_run_bare_prints_its_help_not_an_error():
+    bare = subprocess.run([sys.executable, "-m", "lade_export.cli"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2  # click's exit status for a group run with no command
+    assert bare.stderr.startswith("Usage: python -m lade_export.cli [OPTIONS] COMMAND [ARGS]...\n")
+    assert "error:" not in bare.stderr and "(see:" not in bare.stderr
+    assert "\n  build " in bare.stderr and "\n  serve " in bare.stderr  # the command list
