@@ -27,8 +27,9 @@ what lets a packed pass over the scheduler's pool cost each request its own colu
 (:mod:`lade_export.packed`, regions). Every key's score and exp are the same operations in a
 vector lane or alone, so skipping changes no bit of any row. On AVX-512 CPUs the rows of a
 batch entry and KV head that see the same blocks (the G query heads of a step row, and the step
-rows whose seen blocks agree) are computed together, up to 8 at a time: each key block and value
-row is loaded once for the group and feeds the group's independent FMA chains, every row's
+rows whose seen blocks agree) are computed together (up to 8 rows; 6 for a head width of 64, 3
+above 64: what the value sweep keeps in registers): each key block and value row is loaded
+once for the group and feeds the group's independent FMA chains, every row's
 operations being those it has alone, in the same order (so the scalar path, row by row, gives the
 same bits; tests/test_kernels.py forces both). With an in-place cache, a cache block read by one
 or two groups is transposed in registers straight from the cache (a one-token step, a few short

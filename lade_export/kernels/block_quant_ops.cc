@@ -927,7 +927,7 @@ struct AttnGroup {
   int64_t bi, h;
   int32_t first, count;  // group_rows[first, first + count)
 };
-constexpr int kGroupRows = 8;  // rows per group (the score accumulators in registers)
+constexpr int kGroupRows = 8;  // most rows per group (fewer for wider heads: AttentionKernel)
 
 constexpr int64_t kKeys = 16;  // key columns per block
 
