@@ -72,7 +72,10 @@ def run_level(model, prompts, concurrency, total, max_new_tokens, profile, looka
     return closed_loop(send, prompts, concurrency, total)
 
 
-def summarize(records, wall, reference, scheduler=None, before=None) -> dict:
+def summarize(records, wall, reference, scheduler=None, before=None, cpu=None) -> dict:
+    """A level's figures; ``cpu``: this process's CPU seconds over the level (both cores: up
+    to 2 × wall), reported per new token (less sensitive to other processes' load than
+    tokens/s; ONNX Runtime's spinning pool threads count in it)."""
     tokens = sum(len(r["ids"]) for r in records)
     tpot = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
     out = {"requests": len(records), "wall_s": wall, "new_tokens": tokens, "throughput_tok_s": tokens / wall,
@@ -80,6 +83,7 @@ def summarize(records, wall, reference, scheduler=None, before=None) -> dict:
            "ttft_p99_ms": 1e3 * percentile([r["ttft_s"] for r in records], 99),
            "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
            "tokens_per_step": tokens / max(sum(r["steps"] for r in records), 1),
+           "cpu_ms_per_token": 1e3 * cpu / tokens if cpu is not None and tokens else None,
            "equal_to_solo": (sum(r["ids"] == reference[r["prompt"]] for r in records)
                              if reference is not None else None)}
     if scheduler is not None:
@@ -142,9 +146,9 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "runs": []}
     print(f"{args.artifact}: {len(prompts)} chat prompts, {args.max_new_tokens} new tokens, "
           f"{args.requests} requests per level; load average {os.getloadavg()[0]:.2f}")
-    print("| decoding | concurrency | mode | tok/s | vs threads | TTFT p50/p99 (ms) | per-token p50/p99 (ms) | "
-          "tokens/step | requests/pass | rows/pass | passes per width (%) | = solo |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    print("| decoding | concurrency | mode | tok/s | vs threads | CPU ms/token | TTFT p50/p99 (ms) | "
+          "per-token p50/p99 (ms) | tokens/step | requests/pass | rows/pass | passes per width (%) | = solo |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     references = {}
     for decoding in args.decoding:
         lookahead = decoding != "greedy"
@@ -171,9 +175,12 @@ def main(argv=None) -> int:
                     model.scheduler = scheduler
                     before = ((scheduler.pass_shapes.copy(), scheduler.width_passes.copy(),
                                scheduler.width_steps.copy()) if scheduler else None)
+                    cpu = time.process_time()
                     records, wall = run_level(model, prompts, c, args.requests, args.max_new_tokens, profile,
                                               lookahead)
-                    runs[decoding, mode].append(summarize(records, wall, references[decoding], scheduler, before))
+                    cpu = time.process_time() - cpu
+                    runs[decoding, mode].append(summarize(records, wall, references[decoding], scheduler, before,
+                                                          cpu))
             model.scheduler = None
             for peer in args.peers:  # llama-server with -np = this level's concurrency, started per run
                 with llama_server_peer.LlamaServer(gguf, c, args.threads or os.cpu_count(),
@@ -195,8 +202,9 @@ def main(argv=None) -> int:
             extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f} | "
                      f"{width_shares(s['width_pass_share'])}" if mode in schedulers else "– | – | –")
             same = f"{s['equal_to_solo']}/{s['requests']}" if mode in modes else "–"
+            cpu = f"{s['cpu_ms_per_token']:.2f}" if s.get("cpu_ms_per_token") is not None else "–"
             print(f"| {decoding} | {c} | {mode} | {s['throughput_tok_s']:.1f} | "
-                  f"{s['throughput_tok_s'] / base['throughput_tok_s']:.2f}× | "
+                  f"{s['throughput_tok_s'] / base['throughput_tok_s']:.2f}× | {cpu} | "
                   f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
                   f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | {same} |", flush=True)
     model.scheduler = None

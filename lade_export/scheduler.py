@@ -106,7 +106,7 @@ from .packed import PackedItem, TokenPool, attention_skips, item_outputs, pack
 from .profile import LookaheadProfile
 from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
 from .sampling import GreedyRule, SamplingParams
-from .width_policy import WIDTHS, Option, make_policy, width_caps
+from .width_policy import WIDTHS, Option, make_policy, narrowed, width_caps
 
 #: Default rows of a pass that holds decode steps (4 requests' 11-token int4 lookahead steps fit).
 TOKEN_BUDGET = 64
@@ -167,7 +167,7 @@ class _Request:
 
     __slots__ = ("id", "prompt", "state", "text", "stats", "out", "cancel", "deadline", "closed", "t0", "t1",
                  "prefilled", "cache_len", "layout", "histogram", "engine_s", "max_step", "need", "error",
-                 "width", "widest", "depth", "acceptance")
+                 "width", "widest", "depth", "acceptance", "full", "menu")
 
     def __init__(self, rid, prompt, state, text, stats, cancel, deadline, max_step, need):
         self.id = rid
@@ -183,7 +183,9 @@ class _Request:
         self.t1 = None  # decode start
         self.prefilled = 0  # prompt tokens in the pool
         self.cache_len = 0
-        self.layout = None  # the prepared next step (kept when a pass defers it)
+        self.layout = None  # the next step as this pass runs it (the profile's, or narrowed)
+        self.full = None  # the profile's next step, prepared once per decode step (kept when a pass defers it)
+        self.menu = ()  # the width classes of the prepared step that verify its trie (hindsight acceptance)
         self.histogram: Counter = Counter()
         self.engine_s = 0.0
         self.max_step = max_step
@@ -398,7 +400,7 @@ class Scheduler:
     def _iterate(self) -> bool:
         """Admit waiting requests, plan and run one pass; False when there was nothing to run."""
         clock = self.timeline is not None
-        t0 = time.perf_counter() if clock else None
+        t0 = time.perf_counter()  # the pass's cost, host work included, is what the width policy weighs
         with self._cond:
             while (self._pending and len(self._active) < self.max_batch
                    and self._reserved + self._pending[0].need <= self.kv_tokens):
@@ -410,7 +412,7 @@ class Scheduler:
         if not items:
             return False
         try:
-            self._pass(items, (t0, time.perf_counter(), len(self._pending)) if clock else None)
+            self._pass(items, (t0, time.perf_counter(), len(self._pending)) if clock else None, t0)
         except Exception as err:  # a fault of the pass itself: fail its requests, keep serving
             for req, _ in items:
                 self._fail(req, err)
@@ -468,8 +470,9 @@ class Scheduler:
                     continue
                 if req.t1 is None:
                     req.t1 = time.perf_counter()
-                if req.layout is None or adaptive:  # the profile's step (adaptive: narrowed below)
-                    req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len)
+                if req.full is None:  # the profile's step: one prepare per decode step (kept when deferred;
+                    # the adaptive policy cuts narrower classes from it below)
+                    req.full = req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len)
                     req.width = "profile" if hasattr(req.state, "profile") else "one-token"
             except Exception as err:  # the request's own objects (its cancel event, its state) failed
                 self._fail(req, err)
@@ -528,12 +531,17 @@ class Scheduler:
         (:mod:`lade_export.width_policy`); other requests keep theirs. Returns the
         requests still stepping (one whose narrowed ``prepare`` raises fails alone)."""
         for req in steps:  # the depth of each prepared trie (what the acceptance estimate is per)
-            lay = req.layout
+            lay = req.layout = req.full
             req.depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if len(lay.trie_tokens) else 0
-        if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
+            req.width = "profile" if hasattr(req.state, "profile") else "one-token"
+            req.menu = ()
+        policy = self.width_policy
+        if len(steps) == 1 and getattr(steps[0].state, "profile", None) is not None \
+                and steps[0].state.profile.window > 0:
+            # a request alone whose profile feeds a window keeps its profile's step (what it does
+            # without a scheduler): the myopic estimate would undervalue the window's n-grams
             steps[0].widest = True
             return steps
-        policy = self.width_policy
         menus = []
         for req in steps:
             if req.acceptance is None:
@@ -561,20 +569,23 @@ class Scheduler:
         kept = []
         for req, menu, k in zip(steps, menus, picks):
             opt = menu[k]
-            if opt.rows != req.layout.step:
+            if opt.rows != req.full.step:  # cut from the profile's step, not prepared again
                 try:
-                    req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len, opt.cap)
+                    req.layout = narrowed(req.full, opt.cap)
                 except Exception as err:  # the request's own state failed
                     self._fail(req, err)
                     continue
             req.width = opt.width
             req.widest = len(menu) > 1 and k == len(menu) - 1
+            if len(req.layout.trie_tokens) < len(req.full.trie_tokens):  # its trie goes unverified: judged later
+                req.menu = tuple(o.width for o in menu if o.width != "one-token")
             kept.append(req)
         return kept
 
-    def _pass(self, items: list, clock: tuple | None = None) -> None:
+    def _pass(self, items: list, clock: tuple | None = None, t0: float | None = None) -> None:
         """Run one packed pass and hand every request its rows (item by item on an engine error).
-        ``clock``: ``(start, planned, waiting)`` of a pass the timeline records."""
+        ``clock``: ``(start, planned, waiting)`` of a pass the timeline records; ``t0``: when
+        its iteration began (its planning: the seconds the width policy observes run from there)."""
         step = sum(it.width for _, it in items)
         self.pool.reserve(step)
         feeds = pack([it for _, it in items], self.pool.owner)
@@ -600,8 +611,6 @@ class Scheduler:
         tokens = 0
         if widths:
             self.width_passes[max(widths, key=WIDTHS.index)] += 1
-            if len(widths) == len(items):  # decode steps only: a point of the step-cost curve
-                self.width_policy.observe_pass(step, context, engine_s)
         kept, done = [], []
         for req, it in items:
             rows = None
@@ -612,13 +621,14 @@ class Scheduler:
                     req.stats.prefill_s = time.perf_counter() - req.t0
             else:
                 req.engine_s += engine_s  # decode passes only: stats.host_s is decode time outside the engine
+                length = len(req.state.sequence)
                 try:
                     verdict = req.state.update(req.layout, item_outputs(outputs, it))
                 except Exception as err:  # this request's host work failed: it alone ends
-                    req.layout = None
+                    req.layout = req.full = None
                     done.append((req, err))
                     continue
-                req.layout = None
+                full, req.layout, req.full = req.full, None, None
                 stats = req.stats
                 stats.steps += 1
                 stats.new_tokens += len(verdict.accepted)
@@ -627,6 +637,10 @@ class Scheduler:
                 self.width_steps[req.width] += 1
                 if req.acceptance is not None and isinstance(req.state.rule, GreedyRule):
                     req.acceptance.observe(req.width, len(verdict.accepted), req.depth, req.widest)
+                    if req.menu:  # what the classes that verify the whole trie would have accepted
+                        req.acceptance.defer(length, full, req.depth, req.menu)
+                        req.menu = ()
+                    req.acceptance.resolve(req.state.sequence)
                 if stats.steps == 1:
                     stats.first_token_s = time.perf_counter() - req.t0
                 if verdict.stop_reason is not None:
@@ -643,6 +657,10 @@ class Scheduler:
                 self._fail(req, why)
             else:
                 self._finish(req, *why)
+        if widths and len(widths) == len(items):
+            # decode steps only: a point of the step-cost curve, the whole pass (plan, engine, update,
+            # commit: a lookahead step's host work is part of what its rows cost), else the engine's run
+            self.width_policy.observe_pass(step, context, time.perf_counter() - t0 if t0 is not None else engine_s)
         if clock is not None:
             self.timeline.append(PassRecord(clock[0], clock[1], te, t_engine_end, t_updated, time.perf_counter(),
                                             len(widths), len(items) - len(widths), decode_rows, step - decode_rows,

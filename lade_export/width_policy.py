@@ -21,7 +21,9 @@ class           cap (window, G, K)     rows                                    e
 =============== ====================== ======================================= ==========
 
 The three wider classes verify the same trie (the same candidates), so one
-``prepare`` gives every class's rows exactly. A class with no more rows than a narrower
+``prepare`` gives every class's rows exactly: the scheduler prepares each decode step
+once, at its profile (kept while the token budget defers it), and cuts the class the
+policy picks from it (:func:`narrowed`; the same layout ``prepare`` builds with the cap). A class with no more rows than a narrower
 one is dropped for that step (with no candidates this step, a W = 0 profile has only
 ``one-token``). A step never exceeds its profile: the profile is the upper bound.
 
@@ -40,12 +42,15 @@ other). Requests without lookahead are one-token steps.
 Inputs:
 
 * **The step-cost curve** ``cost(rows, context) = a + b·rows + c·rows·context`` seconds
-  for a pass of ``rows`` rows whose rows attend over ``context`` cached tokens: the whole
+  for a pass of ``rows`` rows, measured from the start of its planning to the end of its
+  commit (the engine's run and the host work around it: every request's ``prepare``,
+  the packing, each request's verification, text and stop checks; a lookahead step's host
+  work is part of what its rows cost), whose rows attend over ``context`` cached tokens: the whole
   pool where every row's scores span it (the compact pool), the pass's mean request cache
   length where each request holds a region and the engine's attention skips the others'
   (``Scheduler._attended``).
   :class:`OnlineCostCurve` fits it online from the scheduler's own decode passes (rows,
-  pool tokens, ``engine_s``), not from probe passes at load: probes would lengthen every
+  pool tokens, seconds), not from probe passes at load: probes would lengthen every
   load, and on a shared machine a few probes measure the neighbours' load of that moment,
   while the scheduler's passes measure the very engine, threads and contexts it serves
   with, and keep doing so as load and contexts change. Until the passes have spanned a few
@@ -58,6 +63,11 @@ Inputs:
   (deterministic: tests inject one).
 * **Acceptance**: per request and width class, the chance ``α`` that a candidate token
   is accepted once its prefix was, estimated from the request's recent steps of that class
+  — the steps it ran at that class, and, in hindsight, the steps that were narrowed below
+  it: a greedy request's continuation is the same whatever widths its steps had, so once
+  its next tokens are known, the trie a one-token step left unverified is scored with
+  what verifying it would have accepted (:meth:`Acceptance.resolve`), measuring wide
+  steps' acceptance without spending their rows —
   (exponentially decayed, memory ≈ 10 steps, :class:`Acceptance`) and shrunk toward the
   estimate over every request's recent steps of the class (itself starting from
   :data:`PRIOR_ACCEPT`); a step whose trie is ``D`` tokens deep is then expected to accept
@@ -67,14 +77,15 @@ Inputs:
   tokens it accepts, not with the n-grams its window rows add to the pool for later
   steps; the window classes verify the same trie as ``candidates``, so they expect the
   same tokens for more rows, and the adaptive policy feeds window rows only at
-  exploration steps (below) or where rows cost nothing. (The CPU profiles' windows are
+  exploration steps (below), to a request alone in its pass, or where rows cost nothing. (The CPU profiles' windows are
   W ≤ 1 anyway: their tokens come mostly from history lookup and the pool's verified
   n-grams, which every accepted token still feeds.)
 
-Decision (:meth:`AdaptiveWidth.choose`), per pass with more than one decode step (a request
-alone in its pass runs its profile's step, exactly what it does without a scheduler:
-its profile was chosen for a lone request, and the myopic estimate below would undervalue
-its window): start every request at its narrowest
+Decision (:meth:`AdaptiveWidth.choose`), per pass (a request alone in its pass whose
+profile has a window, W ≥ 1, runs its profile's step, exactly what it does without a
+scheduler: the myopic estimate below would undervalue its window; a W = 0 profile's rows
+are all candidates, which the estimate values in full, so a lone W = 0 step is chosen
+like any other): start every request at its narrowest
 class (greedy requests at a one-token step: batched greedy), then repeatedly widen the
 request whose next class adds the most expected tokens per extra second of the pass,
 while that marginal rate beats the pass's current tokens per second by ``margin`` (5%)
@@ -82,11 +93,13 @@ and the rows fit the token budget. This maximizes the pass's expected tokens per
 (greedily); the start is batched greedy and every move is expected to beat it, so the
 policy does not lose to batched greedy unless its estimates are wrong. At low load a
 request that accepts a lot keeps its profile's width; as passes fill up the marginal rows
-cost more than they bring and requests fall back to one-token steps. Exploration: a
-request's first step, and one step after every ``explore_every`` (32) narrower ones, is
-its widest class whatever the estimate (budget permitting), so acceptance of wide steps
-and the cost of wide passes keep being measured; that bounds its price to about one step
-in 32.
+cost more than they bring and requests fall back to one-token steps. Exploration
+(``explore_every`` > 0; off by default since acceptance is measured in hindsight): a
+request's first step, and one step after every ``explore_every`` narrower ones, is its
+widest class whatever the estimate (budget permitting). On the int4 integer path, where a
+row costs ~0.2–0.3 of a one-token pass, exploring every 32 steps cost more than it
+brought (2026-12-01: the adaptive policy at 0.84–0.89× batched greedy at 2 and 4
+requests; ``bench/results/serving.md``).
 """
 
 from __future__ import annotations
@@ -99,6 +112,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .lookahead import ONE_TOKEN, StepCap
+from .ngram import StepLayout, step_template
 
 #: Width classes, narrowest first.
 WIDTHS = ("one-token", "candidates", "half-window", "profile")
@@ -130,6 +144,35 @@ def width_caps(profile) -> list[tuple[str, StepCap]]:
     if full != ONE_TOKEN:
         caps.append(("profile", full))
     return caps
+
+
+def narrowed(layout: StepLayout, cap: StepCap) -> StepLayout:
+    """The step of class ``cap`` cut from ``layout``, the request's profile step of this
+    pass (``LookaheadState.prepare`` without a cap): the same step ``prepare(last, past,
+    cap)`` would build, without building the trie again.
+
+    The classes of :func:`width_caps` other than ``profile`` are the profile's step with
+    fewer window columns (its first ``cap.window``; 0: none) and the same trie (they keep
+    the profile's G and K, so ``prepare`` would find the same candidates), or a one-token
+    step (``ONE_TOKEN``: row 0 alone). Ids of the kept window columns and the trie are
+    taken from ``layout``'s rows; positions, mask and logit rows are the layout template
+    of the narrower step (:func:`lade_export.ngram.step_template`, the one ``prepare``
+    uses).
+
+    Args:
+        layout: the profile's step: ids int64 [1 + W·(N−1) + nodes].
+        cap: a class's cap from :func:`width_caps` of the request's profile (``ONE_TOKEN``
+            or ``(w ≤ W, G, K)``).
+    """
+    bare = cap.window <= 0 and cap.guesses <= 0 and cap.lookup <= 0
+    window = 0 if bare else min(max(cap.window, 0), layout.window)
+    tokens, parents = ([], ()) if bare else (layout.trie_tokens, layout.trie_parents)
+    levels, full = layout.levels, layout.window
+    offsets, mask, logit_rows = step_template(window, levels, parents)
+    rows = [0] + [1 + lev * full + j for lev in range(levels) for j in range(window)]
+    ids = np.concatenate([layout.input_ids[rows], np.asarray(tokens, dtype=np.int64)]).astype(np.int64)
+    return StepLayout(ids, layout.past_len + offsets, mask, logit_rows, layout.past_len, tokens, parents, window,
+                      levels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +247,7 @@ class OnlineCostCurve(CostCurve):
 
     def observe(self, rows: int, context: int, seconds: float) -> None:
         """Add a measured decode pass: ``rows`` rows over ``context`` pool tokens took
-        ``seconds`` (the engine's run only)."""
+        ``seconds`` (from its planning to its commit, see the module docstring)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         self.samples.append((rows, context, seconds))
@@ -277,12 +320,13 @@ class Acceptance:
         policy: the :class:`AdaptiveWidth` whose pooled estimates are the prior.
     """
 
-    __slots__ = ("policy", "sums", "since_widest")
+    __slots__ = ("policy", "sums", "since_widest", "pending")
 
     def __init__(self, policy: "AdaptiveWidth"):
         self.policy = policy
         self.sums: dict = {}  # class -> [decayed extra tokens accepted, decayed rejections]
         self.since_widest = policy.explore_every  # steps since its widest class ran (a new request: due)
+        self.pending: list = []  # [(sequence length, layout, depth, classes)] of tries not verified (hindsight)
 
     @property
     def due(self) -> bool:
@@ -309,6 +353,43 @@ class Acceptance:
         """A step of class ``width`` with a trie ``depth`` deep accepted ``tokens`` tokens;
         ``widest``: it was the widest of the request's classes that pass."""
         self.since_widest = 0 if widest else self.since_widest + 1
+        self._fold(width, tokens, depth)
+
+    def defer(self, length: int, layout, depth: int, widths) -> None:
+        """A greedy step ran narrower than the trie it had: ``layout`` (its profile step,
+        whose trie is ``depth`` tokens deep) was prepared when the sequence held ``length``
+        tokens, and the classes ``widths`` would have verified that trie. What they would
+        have accepted is known once the tokens after ``length`` are (:meth:`resolve`)."""
+        if depth > 0 and widths:
+            self.pending.append((length, layout, depth, tuple(widths)))
+
+    def resolve(self, sequence: list) -> None:
+        """Fold in, for every deferred trie whose outcome ``sequence`` now decides, the
+        tokens a step verifying it would have accepted: greedy verification accepts, after
+        the step's last token, the trie path that equals the greedy continuation (which
+        ``sequence`` is, whatever widths the steps had), so a step would have accepted 1 +
+        the length of the trie path matching ``sequence[length:]``. Decided when the path
+        meets a token it does not match, or when ``depth`` tokens matched. This is the
+        acceptance of the wider classes measured without spending their rows."""
+        if not self.pending:
+            return
+        n, keep = len(sequence), []
+        for length, layout, depth, widths in self.pending:
+            node, matched, decided = -1, 0, False
+            for token in sequence[length:length + depth]:
+                child = next((c for t, c in layout.children(node) if t == token), None)
+                if child is None:
+                    decided = True
+                    break
+                node, matched = child, matched + 1
+            if decided or matched >= depth or n >= length + depth:
+                for width in widths:
+                    self._fold(width, 1 + matched, depth)
+            else:
+                keep.append((length, layout, depth, widths))
+        self.pending = keep
+
+    def _fold(self, width: str, tokens: int, depth: int) -> None:
         if width == "one-token" or depth <= 0:
             return
         extra = min(max(tokens - 1, 0), depth)
@@ -344,9 +425,10 @@ class AdaptiveWidth:
         prior: acceptance rate ``α`` of each class before any request ran it (default
             :data:`PRIOR_ACCEPT`).
         explore_every: a request's step is its widest class (when the budget lets it) once
-            it has run this many narrower steps, and so is its first step (0: never): the
-            acceptance of wide steps and the cost of wide passes stay measured, not only
-            assumed. It bounds what exploration costs to one step in ``explore_every``.
+            it has run this many narrower steps, and so is its first step (0, the default:
+            never; greedy requests' acceptance of wide steps is measured in hindsight, see
+            :meth:`Acceptance.resolve`). It bounds what exploration costs to one step in
+            ``explore_every``.
 
     Raises:
         GenerationError: an option out of range.
@@ -355,7 +437,7 @@ class AdaptiveWidth:
     adaptive = True
 
     def __init__(self, cost: CostCurve | None = None, *, margin: float = 0.05, memory: float = 0.9,
-                 prior_steps: float = 3.0, prior: dict | None = None, explore_every: int = 32):
+                 prior_steps: float = 3.0, prior: dict | None = None, explore_every: int = 0):
         if not (0 <= margin < 10):
             raise GenerationError(f"margin must be in [0, 10), got {margin!r}")
         if not (0 < memory < 1):

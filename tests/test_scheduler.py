@@ -568,9 +568,10 @@ def test_adaptive_widths_keep_eight_greedy_lookahead_requests_equal_to_their_sol
 
 def test_adaptive_widths_leave_sampled_requests_equal_to_their_solo_runs(stories_decoder, reference_greedy, solo):
     """REQUESTS (sampled lookahead, sampled plain and greedy ones) under an adaptive policy
-    whose cost curve narrows every greedy step to one token: the sampled requests keep
-    their profile's steps and equal their solo runs step for step; the greedy ones their
-    solo tokens."""
+    whose cost curve narrows nearly every greedy step to one token (a greedy neighbour of a
+    wide sampled step may keep its candidates where its acceptance, measured in hindsight,
+    pays for them): the sampled requests keep their profile's steps and equal their solo
+    runs step for step; the greedy ones their solo tokens."""
     from lade_export.width_policy import AdaptiveWidth, CostCurve
 
     scheduler = Scheduler(stories_decoder, width_policy=AdaptiveWidth(CostCurve(1.0, 2.0), explore_every=0))
@@ -585,7 +586,10 @@ def test_adaptive_widths_leave_sampled_requests_equal_to_their_solo_runs(stories
     alone = sum(n for (k, _), n in scheduler.pass_shapes.items() if k == 1)  # a lone request runs its profile
     profile = scheduler.width_steps["profile"]
     assert sampled_lookahead <= profile <= sampled_lookahead + alone and sampled_lookahead > 0
-    assert scheduler.width_steps["one-token"] == others - (profile - sampled_lookahead)
+    w = scheduler.width_steps
+    narrower = w["one-token"] + w["candidates"] + w["half-window"]
+    assert narrower == others - (profile - sampled_lookahead), dict(w)
+    assert w["one-token"] >= 0.8 * narrower, dict(w)
 
 
 def test_the_timeline_accounts_for_every_pass_row_and_token(stories_decoder, reference_greedy, solo):

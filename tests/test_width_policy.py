@@ -13,8 +13,9 @@ from lade_export.lookahead import ONE_TOKEN, LookaheadState, StepCap
 from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.runtime import collect
 from lade_export.scheduler import Scheduler
+from lade_export.ngram import build_trie, step_template
 from lade_export.width_policy import (AdaptiveWidth, CostCurve, OnlineCostCurve, Option, ProfileWidth, make_policy,
-                                      width_caps)
+                                      narrowed, width_caps)
 
 
 def _menu(candidates_tokens=1.6, profile_tokens=2.0, candidates_rows=5, profile_rows=12):
@@ -194,6 +195,89 @@ def test_a_cap_wider_than_the_profile_is_the_profile():
     assert window_only.step == 1 + 2 * 2 and window_only.trie_tokens == []
     pool_only = state.prepare(prompt[-1], 7, StepCap(0, 2, 0))  # the pool's 2-grams after 6, no history
     assert pool_only.trie_tokens == [t for c in state.pool.candidates(6) for t in c]
+
+
+def _fields(layout):
+    return (layout.input_ids.tolist(), layout.position_ids.tolist(), layout.step_mask.tolist(),
+            layout.logit_rows.tolist(), layout.past_len, list(layout.trie_tokens), tuple(layout.trie_parents),
+            layout.window, layout.levels)
+
+
+@pytest.mark.parametrize("profile", [LookaheadProfile(3, 3, 2, lookup=4), LookaheadProfile(4, 2, 6),
+                                     LookaheadProfile(1, 4, 3, lookup=5), LookaheadProfile(0, 2, 0, lookup=10,
+                                                                                           lookup_min_match=2)])
+def test_a_class_cut_from_the_profile_step_is_the_step_prepare_builds_with_its_cap(profile):
+    """narrowed(profile step, cap) has every field of prepare(last, past, cap) for each width
+    class, along a sequence that repeats itself (history and pool candidates, a trie of
+    several branches) and with window columns advanced by steps."""
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(3, 12, size=30)]
+    state = LookaheadState(profile, 16, prompt)
+    seen = set()
+    for k in range(40):
+        last, past = state.sequence[-1], len(state.sequence) - 1
+        full = state.prepare(last, past)
+        for width, cap in width_caps(profile):
+            assert _fields(narrowed(full, cap)) == _fields(state.prepare(last, past, cap)), (k, width)
+            seen.add((width, len(full.trie_tokens) > 0))
+        state.update(full, _fake_outputs(full, int(rng.integers(3, 12))))
+    assert any(has_trie for _, has_trie in seen) and ("one-token", True) in seen
+
+
+def test_acceptance_in_hindsight_of_a_trie_a_narrowed_step_did_not_verify():
+    """A greedy step run as one token leaves its trie unverified; once the sequence holds
+    the tokens after it, the classes that would have verified it are credited with what
+    they would have accepted (1 + the trie path matching the continuation)."""
+    policy = AdaptiveWidth(CostCurve(1.0, 0.1), prior={"profile": 0.5})
+    a = policy.tracker()
+    tokens, parents, _ = build_trie([[4, 5, 6, 7], [4, 9], [8]])  # depth 4
+    offsets, mask, rows = step_template(0, 1, parents)
+    from lade_export.ngram import StepLayout
+    layout = StepLayout(np.asarray([3, *tokens]), 10 + offsets, mask, rows, 10, tokens, parents, 0, 1)
+    seq = [1, 2, 3]
+    a.defer(len(seq), layout, 4, ("candidates", "profile"))
+    a.defer(len(seq), layout, 4, ())  # no class verifies the trie: nothing kept
+    a.resolve(seq + [4])
+    assert len(a.pending) == 1 and a.sums == {}  # 4 matches: not decided yet
+    a.resolve(seq + [4, 5, 6])
+    assert len(a.pending) == 1 and a.sums == {}
+    a.resolve(seq + [4, 5, 6, 2])  # the path 4 5 6 then 2 ≠ 7: 3 extra tokens, then a rejection
+    assert a.pending == [] and a.sums == {"candidates": [3.0, 1.0], "profile": [3.0, 1.0]}
+    a.defer(4, layout, 4, ("profile",))
+    a.resolve(seq + [4, 4, 5, 6, 7])  # all four: no rejection
+    assert a.sums["profile"] == pytest.approx([0.9 * 3 + 4, 0.9 * 1])
+    a.defer(9, layout, 4, ("profile",))
+    a.resolve(seq + [4, 4, 5, 6, 7, 1])
+    assert len(a.pending) == 1  # the token after position 9 is not known yet
+    a.resolve(seq + [4, 4, 5, 6, 7, 1, 2])  # a first token no branch starts with: nothing extra
+    assert a.sums["profile"] == pytest.approx([0.81 * 3 + 0.9 * 4, 0.81 + 1])
+    assert a.since_widest == a.policy.explore_every  # hindsight is no step of the request's own
+
+
+def test_a_decode_step_is_prepared_once_whatever_its_width(stories_decoder, reference_greedy, monkeypatch):
+    """Each lookahead decode step calls ``prepare`` once, in passes where the policy narrows
+    it and in passes that defer it (a tight budget); outputs stay the reference's."""
+    calls = []
+    prepare = LookaheadState.prepare
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2:] or tuple(kwargs.values()))
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(LookaheadState, "prepare", counted)
+    stops = stories_decoder.stop_token_ids
+    stories_decoder.stop_token_ids = frozenset()
+    try:
+        scheduler = Scheduler(stories_decoder, token_budget=16, width_policy=RandomWidths(5))
+        streams = [scheduler.stream(case["prompt_ids"], 96, resolve_profile(p))
+                   for case in reference_greedy["cases"] for p in ("default", "paper")]
+        results = [collect(s) for s in streams]
+        scheduler.close()
+    finally:
+        stories_decoder.stop_token_ids = stops
+    assert [r.token_ids for r in results] == [c["greedy_ids"][:96] for c in reference_greedy["cases"] for _ in range(2)]
+    assert len(calls) == sum(r.stats.steps for r in results) and not any(calls)  # the profile's step, once each
+    assert scheduler.width_steps["one-token"] > 0 and scheduler.width_steps["profile"] > 0
 
 
 class RandomWidths(AdaptiveWidth):
