@@ -536,10 +536,7 @@ class Scheduler:
             req.width = "profile" if hasattr(req.state, "profile") else "one-token"
             req.menu = ()
         policy = self.width_policy
-        if len(steps) == 1 and getattr(steps[0].state, "profile", None) is not None \
-                and steps[0].state.profile.window > 0:
-            # a request alone whose profile feeds a window keeps its profile's step (what it does
-            # without a scheduler): the myopic estimate would undervalue the window's n-grams
+        if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
             steps[0].widest = True
             return steps
         menus = []

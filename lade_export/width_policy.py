@@ -77,15 +77,14 @@ Inputs:
   tokens it accepts, not with the n-grams its window rows add to the pool for later
   steps; the window classes verify the same trie as ``candidates``, so they expect the
   same tokens for more rows, and the adaptive policy feeds window rows only at
-  exploration steps (below), to a request alone in its pass, or where rows cost nothing. (The CPU profiles' windows are
+  exploration steps (below) or where rows cost nothing. (The CPU profiles' windows are
   W ≤ 1 anyway: their tokens come mostly from history lookup and the pool's verified
   n-grams, which every accepted token still feeds.)
 
-Decision (:meth:`AdaptiveWidth.choose`), per pass (a request alone in its pass whose
-profile has a window, W ≥ 1, runs its profile's step, exactly what it does without a
-scheduler: the myopic estimate below would undervalue its window; a W = 0 profile's rows
-are all candidates, which the estimate values in full, so a lone W = 0 step is chosen
-like any other): start every request at its narrowest
+Decision (:meth:`AdaptiveWidth.choose`), per pass with more than one decode step (a request
+alone in its pass runs its profile's step, exactly what it does without a scheduler:
+its profile was chosen for a lone request, and the myopic estimate below would undervalue
+its window): start every request at its narrowest
 class (greedy requests at a one-token step: batched greedy), then repeatedly widen the
 request whose next class adds the most expected tokens per extra second of the pass,
 while that marginal rate beats the pass's current tokens per second by ``margin`` (5%)
