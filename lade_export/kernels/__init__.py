@@ -61,7 +61,9 @@ pool's size). Graphs carrying ``past_layout=1`` say so in their ONNX metadata
 
 The path is chosen once per process: ``avx512vnni`` → ``amx`` → ``avxvnni`` → ``avx2`` →
 ``portable`` (int8; AMX after AVX512-VNNI because, with a float epilogue per block of 32, its
-tiles measured slower on this project's Xeon — bench/results/step-costs.md), ``avx512`` →
+tiles measured slower on this project's Xeon — bench/results/step-costs.md — and no faster after
+a rewrite that kept more tiles in flight: the tile work and the vector epilogue add up instead of
+overlapping, bench/results/kernel-floor.md), ``avx512`` →
 ``portable`` (float32). ``$LADE_KERNELS_PATH``
 forces one (tests; an integer name also picks the float32 path it implies: ``amx`` and
 ``avx512vnni`` → ``avx512``, the others → ``portable``); ``LADE_KERNELS_PORTABLE=1`` means
