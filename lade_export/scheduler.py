@@ -74,10 +74,18 @@ one-token step — from the step-cost curve (fitted online from this scheduler's
 passes) and the request's recent acceptance, widening only where the expected tokens pay
 for the rows; sampled requests keep their profile's steps (narrowing would change their
 output against their solo run). With ``"profile"`` every request's step is its profile's.
-Either way the token budget defers a step that does not fit to the next pass. Measured
+Either way the token budget defers a step that does not fit to the next pass. A decode
+step is prepared once, at its profile (kept while the budget defers it); a narrower class
+is cut from it (:func:`lade_export.width_policy.narrowed`). Measured
 (``bench/serve_batched.py``, SmolLM2 fp32, the default profile, 4 concurrent requests,
 loaded 2-core machine): adaptive 20.5 tok/s, profile 9.5 (median of 2 alternating
-rounds), every output equal to its solo run.
+rounds), every output equal to its solo run; int4 integer path, ``default-int4``
+(``bench/results/serving.md``, 2026-12-01 second section): adaptive 0.84–0.89× batched
+greedy at 2 and 4 requests before one prepare per step and acceptance in hindsight
+(quiet machine), 0.90–1.05× by CPU time per token after (a loaded machine; not shown ≥ 1).
+``timeline=True`` records every pass's phases (:class:`PassRecord`;
+``bench/scheduler_timeline.py``): on the integer path at 4 and 8 requests the engine runs
+92–93% of a closed-loop level, host work 7%, gaps between passes under 1%.
 ``width_steps`` and ``width_passes`` count decode steps per width class and passes per
 widest class.
 
