@@ -18,7 +18,6 @@ same ``DIR`` fail at once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -30,9 +29,8 @@ import threading
 from pathlib import Path
 
 from .errors import ArtifactError
-from .specs import ModelDims
+from .manifest import REQUIRED_KEYS, SCHEMA_VERSION, Manifest  # noqa: F401 (REQUIRED_KEYS: re-exported)
 
-SCHEMA_VERSION = 2
 #: Files up to this size are hashed on every open; larger ones (the weights) only when asked.
 QUICK_HASH_LIMIT = 16 << 20
 MANIFEST = "manifest.json"
@@ -181,22 +179,6 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
         raise KeyboardInterrupt(f"interrupted after the new build was written to {out}")
 
 
-#: Keys every manifest section must hold for the runtime to open the artifact.
-REQUIRED_KEYS = {"graph": ("file", "opset", "inputs", "outputs"), "model": ("dims", "stop_token_ids")}
-
-
-#: ``model.dims`` keys (the fields of :class:`lade_export.specs.ModelDims`).
-_DIMS_FIELDS = tuple(f.name for f in dataclasses.fields(ModelDims))
-
-
-def _valid_dim(name: str, value) -> bool:
-    """A ``model.dims`` value as the runtime needs it: ``tied_embeddings`` a bool, every
-    other field a positive int (not a bool)."""
-    if name == "tied_embeddings":
-        return isinstance(value, bool)
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 class Artifact:
     """A built artifact directory, validated on open.
 
@@ -208,11 +190,19 @@ class Artifact:
             file's sha256, the weights included (~1 s per GB); ``"none"`` (or False):
             only the manifest is read.
 
+    Attributes:
+        root: the directory.
+        spec: the manifest, typed (:class:`lade_export.manifest.Manifest`; what the
+            package reads).
+        manifest: the manifest's JSON object as it is on disk (for tools and tests that
+            want the raw keys; ``lade-export inspect --json`` prints it).
+
     Raises:
-        ArtifactError: directory or ``manifest.json`` missing, unreadable JSON, a
+        ArtifactError: directory or ``manifest.json`` missing, unreadable JSON, or a
+            manifest that :meth:`lade_export.manifest.Manifest.from_dict` refuses (a
             ``schema_version`` other than :data:`SCHEMA_VERSION`, a required section or
-            key missing (:data:`REQUIRED_KEYS`, the fields of ``ModelDims``), a listed file missing or of another size, or a checksum mismatch
-            naming the file.
+            key missing, a wrong ``model.dims`` value), a listed file missing or of another
+            size, or a checksum mismatch naming the file.
     """
 
     def __init__(self, root: str | Path, verify: str | bool = "quick"):
@@ -229,32 +219,7 @@ class Artifact:
             self.manifest = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ArtifactError(f"{path}: unreadable manifest: {err}") from None
-        if not isinstance(self.manifest, dict):
-            raise ArtifactError(f"{path}: not a lade-export manifest (expected a JSON object)")
-        version = self.manifest.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ArtifactError(
-                f"{path}: schema_version {version!r} is not supported by this lade-export (expects {SCHEMA_VERSION}); "
-                "rebuild with lade-export build"
-            )
-        missing = [k for k in ("source", "model", "graph", "tokenizer", "files") if not isinstance(self.manifest.get(k), dict)]
-        if missing:
-            raise ArtifactError(f"{path}: manifest lacks {', '.join(missing)}; rebuild with lade-export build")
-        lacking = [f"{section}.{key}" for section, keys in REQUIRED_KEYS.items() for key in keys
-                   if key not in self.manifest[section]]
-        dims = self.manifest["model"].get("dims")
-        if isinstance(dims, dict):
-            lacking += [f"model.dims.{name}" for name in _DIMS_FIELDS if name not in dims]
-        elif "dims" in self.manifest["model"]:
-            lacking.append("model.dims (an object)")
-        if not isinstance(self.manifest.get("profiles", []), list):
-            lacking.append("profiles (a list)")
-        if lacking:
-            raise ArtifactError(f"{path}: manifest lacks {', '.join(lacking)}; rebuild with lade-export build")
-        wrong = [f"model.dims.{name} = {dims[name]!r}" for name in _DIMS_FIELDS if not _valid_dim(name, dims[name])]
-        if wrong:
-            raise ArtifactError(f"{path}: manifest has {', '.join(wrong)} (sizes are positive integers, "
-                                "tied_embeddings true or false); rebuild with lade-export build")
+        self.spec = Manifest.from_dict(self.manifest, where=path)
         mode = {True: "full", False: "none"}.get(verify, verify)
         if mode not in ("quick", "full", "none"):
             raise ArtifactError(f"verify must be quick, full or none, got {verify!r}")
@@ -268,15 +233,15 @@ class Artifact:
         Raises:
             ArtifactError: naming the first missing, resized or mismatching file.
         """
-        for name, entry in self.manifest.get("files", {}).items():
+        for name, entry in self.spec.files.items():
             f = self.root / name
             if not f.is_file():
                 raise ArtifactError(f"{f} is listed in the manifest but missing")
             size = f.stat().st_size
-            if size != entry["bytes"]:
-                raise ArtifactError(f"size mismatch for {name}: {size:,} bytes, the manifest says {entry['bytes']:,}; "
+            if size != entry.bytes:
+                raise ArtifactError(f"size mismatch for {name}: {size:,} bytes, the manifest says {entry.bytes:,}; "
                                     "rebuild the artifact")
-            if hashes and (full or size <= QUICK_HASH_LIMIT) and sha256_file(f) != entry["sha256"]:
+            if hashes and (full or size <= QUICK_HASH_LIMIT) and sha256_file(f) != entry.sha256:
                 raise ArtifactError(f"checksum mismatch for {name}: the file differs from the manifest; rebuild the artifact")
 
     def verify_checksums(self) -> None:
@@ -285,7 +250,7 @@ class Artifact:
 
     @property
     def onnx_path(self) -> Path:
-        return self.root / self.manifest["graph"]["file"]
+        return self.root / self.spec.graph.file
 
     @property
     def custom_ops_path(self) -> Path | None:
@@ -295,12 +260,12 @@ class Artifact:
         Raises:
             ArtifactError: the name is absolute, leaves the artifact, or is not in ``files``
                 (whose sha256 ``verify_files`` checks before anything loads it)."""
-        name = self.manifest["graph"].get("custom_ops")
+        name = self.spec.graph.custom_ops
         if not name:
             return None
         # Native code is loaded from it: only a file inside the artifact whose sha256 the manifest records.
         if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts \
-                or name not in self.manifest.get("files", {}):
+                or name not in self.spec.files:
             raise ArtifactError(f"{self.root / 'manifest.json'}: graph.custom_ops {name!r} is not a file of the "
                                 "artifact listed in its files; rebuild with lade-export build")
         return self.root / name
@@ -308,45 +273,41 @@ class Artifact:
     @property
     def dims(self):
         """:class:`lade_export.specs.ModelDims` of the model."""
-        from .specs import ModelDims
-
-        return ModelDims.from_dict(self.manifest["model"]["dims"])
+        return self.spec.model.dims
 
     @property
     def attention(self) -> str:
         """How the graph computes attention (``graph.attention``): ``onnx-ops`` (standard
         operators, every engine) or ``group-query-attention`` (ONNX Runtime's fused op)."""
-        return self.manifest["graph"].get("attention", "onnx-ops")
+        return self.spec.graph.attention
 
     @property
     def kv_layout(self) -> str:
         """The graph's KV cache layout (``graph.kv_cache``, :data:`lade_export.specs.KV_LAYOUTS`);
         artifacts built before it existed are ``sequence-major``."""
-        return self.manifest["graph"].get("kv_cache", "sequence-major")
+        return self.spec.graph.kv_cache
 
     @property
     def stop_token_ids(self) -> list[int]:
-        return list(self.manifest["model"]["stop_token_ids"])
+        return list(self.spec.model.stop_token_ids)
 
     @property
     def max_context(self) -> int:
-        return int(self.manifest["model"]["dims"]["max_context"])
+        return int(self.spec.model.dims.max_context)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.manifest["tokenizer"].get("chat_template"))
+        return bool(self.spec.tokenizer.chat_template)
 
     def tokenizer(self):
         """The runtime tokenizer (:class:`lade_export.tokenizer.Tokenizer`; no transformers)."""
         from .tokenizer import Tokenizer
 
-        return Tokenizer.from_manifest(self.root, self.manifest)
+        return Tokenizer.from_manifest(self.root, self.spec)
 
     def profiles(self):
         """Profiles recorded at build time, as :class:`LookaheadProfile` values."""
-        from .profile import LookaheadProfile
-
-        return [LookaheadProfile.from_dict(p, name=p.get("name", "custom")) for p in self.manifest.get("profiles", [])]
+        return list(self.spec.profiles)
 
     def default_profile(self):
         """The profile a request gets when it names none: the manifest's
@@ -356,7 +317,7 @@ class Artifact:
             ArtifactError: ``default_profile`` names none of the manifest's profiles.
         """
         profiles = self.profiles()
-        name = self.manifest.get("default_profile")
+        name = self.spec.default_profile
         for p in profiles:
             if p.name == name:
                 return p
@@ -371,13 +332,13 @@ def checksum_errors(artifact: Artifact) -> list[str]:
     (``"NAME: 1,000,000 bytes on disk, the manifest says 115,635,456"``; no hash is computed
     then) or whose sha256 differs from the manifest."""
     errors = []
-    for name, entry in artifact.manifest.get("files", {}).items():
+    for name, entry in artifact.spec.files.items():
         path = artifact.root / name
         size = path.stat().st_size if path.is_file() else None
         if size is None:
             errors.append(f"{name}: missing")
-        elif size != entry["bytes"]:
-            errors.append(f"{name}: {size:,} bytes on disk, the manifest says {entry['bytes']:,}")
-        elif sha256_file(path) != entry["sha256"]:
+        elif size != entry.bytes:
+            errors.append(f"{name}: {size:,} bytes on disk, the manifest says {entry.bytes:,}")
+        elif sha256_file(path) != entry.sha256:
             errors.append(f"{name}: sha256 does not match the manifest")
     return errors

@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .artifact import SCHEMA_VERSION, atomic_directory, file_entries, write_json_atomic
+from .artifact import atomic_directory, file_entries, write_json_atomic
 from .backends.onnxruntime import OrtEngine
 from .errors import CheckFailedError
 from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
 from .kernels import LIBRARY
+from .manifest import (EngineEntry, FileEntry, GraphInfo, Manifest, ModelInfo, Parity, Quantization, Rope, Source,
+                       TokenizerInfo)
 from .model_source import load_model
 from .specs import step_io_specs
 
@@ -477,53 +479,53 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                                         kv_layout=step.kv_layout)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         tok = loaded.tokenizer
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "versions": _versions(),
-            "source": {"model": loaded.source, "kind": loaded.kind},
-            "model": {
-                "architecture": "llama",
-                "dims": dims.as_dict(),
-                "rope": step.rope.as_dict(),
-                "stop_token_ids": loaded.stop_token_ids,
-                "bos_token_id": tok.bos_token_id,
-                "eos_token_id": tok.eos_token_id,
-                "pad_token_id": tok.pad_token_id,
-            },
-            "graph": {
-                "file": "model.onnx",
-                "external_data": "model.onnx.data" if (tmp / "model.onnx.data").exists() else None,
-                "opset": 17,
-                "precision": f"int{quantization.bits}" if quantization is not None else "fp32",
-                "lookahead_exact": quantization.lookahead_exact if quantization is not None else True,
-                **({"custom_ops": LIBRARY} if quantization is not None and quantization.kernels == "lade" else {}),
-                "mask": "bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
-                "attention": attention,
-                "kv_cache": step.kv_layout,
-                "kv_layout": KV_LAYOUT_TEXT[step.kv_layout],
-                "inputs": [s.as_dict() for s in inputs],
-                "outputs": [s.as_dict() for s in outputs],
-            },
-            "tokenizer": {**tokenizer_section, "files": sorted(n for n in names if n.startswith("tokenizer/"))},
-            "default_profile": profiles[0].name if profiles else None,
-            "profiles": [p.as_dict() for p in profiles],
-            "parity": {
-                "bounds": {"max_abs": PARITY_MAX_ABS, "max_rel": PARITY_MAX_REL},
-                "prompt_tokens": len(prompt_ids),
-                "cases": [
+        manifest = Manifest(
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            versions=_versions(),
+            source=Source(model=loaded.source, kind=loaded.kind),
+            model=ModelInfo(
+                architecture="llama",
+                dims=dims,
+                rope=Rope.from_dict(step.rope.as_dict()),
+                stop_token_ids=tuple(loaded.stop_token_ids),
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            ),
+            graph=GraphInfo(
+                file="model.onnx",
+                external_data="model.onnx.data" if (tmp / "model.onnx.data").exists() else None,
+                opset=17,
+                precision=f"int{quantization.bits}" if quantization is not None else "fp32",
+                lookahead_exact=quantization.lookahead_exact if quantization is not None else True,
+                custom_ops=LIBRARY if quantization is not None and quantization.kernels == "lade" else None,
+                mask="bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
+                attention=attention,
+                kv_cache=step.kv_layout,
+                kv_layout=KV_LAYOUT_TEXT[step.kv_layout],
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+            ),
+            tokenizer=TokenizerInfo.from_dict(
+                {**tokenizer_section, "files": sorted(n for n in names if n.startswith("tokenizer/"))}),
+            default_profile=profiles[0].name if profiles else None,
+            profiles=tuple(profiles),
+            parity=Parity(
+                bounds={"max_abs": PARITY_MAX_ABS, "max_rel": PARITY_MAX_REL},
+                prompt_tokens=len(prompt_ids),
+                cases=tuple(
                     {"label": c.label, "step": c.step, "past": c.past, "max_abs": c.max_abs, "max_logit": c.max_logit,
                      "rel": c.rel, "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs}
                     for c in cases
-                ],
-                "transformers": reference,
-            },
-            "timings_s": {"load": round(load_s, 2), "export": round(export_s, 2), "parity": round(parity_s, 2),
-                          "transformers_parity": round(reference_s, 2)},
-            "engines": engines,
-            **({"quantization": quantized} if quantized is not None else {}),
-            "files": file_entries(tmp, names),
-        }
+                ),
+                transformers=reference,
+            ),
+            timings_s={"load": round(load_s, 2), "export": round(export_s, 2), "parity": round(parity_s, 2),
+                       "transformers_parity": round(reference_s, 2)},
+            engines=tuple(EngineEntry.from_dict(e) for e in engines),
+            quantization=Quantization.from_dict(quantized) if quantized is not None else None,
+            files={name: FileEntry.from_dict(e) for name, e in file_entries(tmp, names).items()},
+        ).to_dict()
         write_json_atomic(tmp / "manifest.json", manifest)
         say("done")
     return manifest

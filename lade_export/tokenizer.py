@@ -68,11 +68,20 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
 
     @classmethod
-    def from_manifest(cls, root: str | Path, manifest: dict) -> "Tokenizer":
-        """The tokenizer of an artifact directory, as its manifest describes it."""
-        section = manifest["tokenizer"]
-        return cls(Path(root) / section["file"], section.get("chat_template"), section.get("special_tokens"),
-                   manifest["model"].get("bos_token_id"))
+    def from_manifest(cls, root: str | Path, manifest) -> "Tokenizer":
+        """The tokenizer of an artifact directory, as its manifest describes it
+        (a :class:`lade_export.manifest.Manifest`, or its JSON object).
+
+        Raises:
+            ArtifactError: the manifest is refused (:meth:`Manifest.from_dict`), or see the class.
+        """
+        from .manifest import Manifest
+
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest.from_dict(manifest)
+        section = manifest.tokenizer
+        return cls(Path(root) / section.file, section.chat_template, dict(section.special_tokens),
+                   manifest.model.bos_token_id)
 
     @property
     def has_chat_template(self) -> bool:
