@@ -147,7 +147,7 @@ class Model:
         self.tokenizer = tokenizer
         self.engine = engine
         self.decoder = Decoder(engine, artifact.stop_token_ids, artifact.max_context, tokenizer,
-                               lookahead_exact=bool(artifact.manifest["graph"].get("lookahead_exact", True)))
+                               lookahead_exact=bool(artifact.spec.graph.lookahead_exact))
         self.default_profile = artifact.default_profile()
         self.load_s = 0.0
         self.scheduler = None

@@ -163,8 +163,8 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     say("verifying checksums")
     artifact.verify_files(hashes=False)  # a missing or resized file cannot run at all: one line, no report
     sums = checksum_errors(artifact)
-    say(f"loading the PyTorch reference {artifact.manifest['source']['model']}")
-    loaded = load_model(artifact.manifest["source"]["model"])
+    say(f"loading the PyTorch reference {artifact.spec.source.model}")
+    loaded = load_model(artifact.spec.source.model)
     step = DecoderStep(loaded.model).eval()
     prompt = parity_prompt_ids(loaded.tokenizer, artifact.has_chat_template)
     feeds, labels = [], []
@@ -175,8 +175,8 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
                 continue  # prefill and greedy shapes once
             labels.append(label)
             feeds.append(OrderedDict(f))
-    output_names = [o["name"] for o in artifact.manifest["graph"]["outputs"]]
-    input_specs = artifact.manifest["graph"]["inputs"]
+    output_names = [o.name for o in artifact.spec.graph.outputs]
+    input_specs = [t.as_dict() for t in artifact.spec.graph.inputs]
     if artifact.kv_layout == "sequence-major" and artifact.custom_ops_path is None:
         ort_runner = OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)), name="onnxruntime")
     else:  # a shared cache buffer per tensor (fed through the layout converter), or custom ops
@@ -196,16 +196,16 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     reference = by_runner["pytorch"]
     errors = compare_runner("onnxruntime", output_names, labels, reference, by_runner["onnxruntime"], max_abs, max_rel)
     notes = []
-    precision = artifact.manifest["graph"].get("precision", "fp32")
+    precision = artifact.spec.graph.precision
     if precision in ("int4", "int8"):  # no quantized PyTorch reference: the differences are reported, not judged
         errors = [dataclasses.replace(e, judged=False) for e in errors]
-        quality = (artifact.manifest.get("quantization") or {}).get("quality") or {}
+        quality = artifact.spec.quantization.quality if artifact.spec.quantization is not None else None
         measured = (f" (build-time quality against the float32 graph: top-1 agreement "
-                    f"{100 * quality['top1_agreement']:.1f}%, max |Δlogit| {quality['max_abs_logit_diff']:.3g})"
-                    if "top1_agreement" in quality else "")
+                    f"{100 * quality.top1_agreement:.1f}%, max |Δlogit| {quality.max_abs_logit_diff:.3g})"
+                    if quality is not None and quality.top1_agreement is not None else "")
         notes.append(f"{precision} graph: its differences from the float32 PyTorch step are its quantization's"
                      f"{measured}; they are shown, not held to the float32 bounds")
-    engines = artifact.manifest.get("engines") or []
+    engines = artifact.spec.engines
     reason = tensorrt_unavailable_reason("run") if engines else None
     if reason:
         notes.append(f"TensorRT engines not checked: {reason}")
@@ -223,7 +223,7 @@ def _check_engines(artifact, engines, feeds, labels, reference, input_specs, out
 
     errors = []
     for entry in engines:
-        name = entry["profile"]["name"]
+        name = entry.profile.name
         engine = TensorRTEngine(artifact, engine=name)
         try:
             chosen = [engine.optimization_profile_for(f) for f in feeds]
@@ -234,7 +234,7 @@ def _check_engines(artifact, engines, feeds, labels, reference, input_specs, out
             runner = _runner(f"tensorrt:{name}", lambda f: engine.run(f, with_logits=True), input_specs, output_names)
             say(f"comparing {runner.name} on {len(keep)} feeds ({engine.runtime_description})")
             got = dict(Comparator.run([runner], data_loader=[feeds[i] for i in keep]))[runner.name]
-            max_abs, max_rel = PRECISION_BOUNDS.get(entry.get("precision"), PRECISION_BOUNDS["fp32"])
+            max_abs, max_rel = PRECISION_BOUNDS.get(entry.precision, PRECISION_BOUNDS["fp32"])
             case_labels = [f"{labels[i]} ({chosen[i].split(':', 1)[1]})" for i in keep]
             errors += compare_runner(runner.name, output_names, case_labels, [reference[i] for i in keep], got,
                                      max_abs, max_rel)

@@ -173,6 +173,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     per profile)."""
     from .build import (build_artifact, default_profile_for, refuse_fused_attention_on_rows_exact,
                         refuse_fused_attention_on_tensorrt)
+    from .manifest import Manifest
     from .optimization_profiles import describe_plan, engine_plans
     from .quantize import ORT_PRECISIONS, QuantSpec
 
@@ -256,19 +257,19 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
     with _interrupt_names_written_build(out):
         with _progress() as say:
-            manifest = build_artifact(source, profiles, out, force=force, threads=threads, status=say,
-                                      engine_options=engine_options, timing_cache=timing_cache,
-                                      quantization=quantization, attention=attention)
-        worst = max(manifest["parity"]["cases"], key=lambda c: c["max_abs"])
-        click.echo(f"built {out}: {manifest['model']['dims']['num_layers']} layers, "
-                   f"profiles {', '.join(p['name'] for p in manifest['profiles'])}; parity max |Δlogit| "
+            manifest = Manifest.from_dict(build_artifact(
+                source, profiles, out, force=force, threads=threads, status=say, engine_options=engine_options,
+                timing_cache=timing_cache, quantization=quantization, attention=attention))
+        worst = max(manifest.parity.cases, key=lambda c: c["max_abs"])
+        click.echo(f"built {out}: {manifest.model.dims.num_layers} layers, "
+                   f"profiles {', '.join(p.name for p in manifest.profiles)}; parity max |Δlogit| "
                    f"{worst['max_abs']:.2e} (relative {worst['rel']:.1e})", err=True)
         if quantization is not None:
-            q = manifest["quantization"]
-            click.echo(f"{precision} weights: {q['graph']['bytes_after'] / 2**20:.0f} MB (float32 "
-                       f"{q['graph']['bytes_before'] / 2**20:.0f} MB); against the float32 graph: top-1 agreement "
-                       f"{100 * q['quality']['top1_agreement']:.1f}% over {q['quality']['positions']} answer "
-                       f"tokens, max |Δlogit| {q['quality']['max_abs_logit_diff']:.2f}", err=True)
+            q = manifest.quantization
+            click.echo(f"{precision} weights: {q.graph.bytes_after / 2**20:.0f} MB (float32 "
+                       f"{q.graph.bytes_before / 2**20:.0f} MB); against the float32 graph: top-1 agreement "
+                       f"{100 * q.quality.top1_agreement:.1f}% over {q.quality.positions} answer "
+                       f"tokens, max |Δlogit| {q.quality.max_abs_logit_diff:.2f}", err=True)
         _echo_rope_note(manifest)
 
 
@@ -296,10 +297,11 @@ def _interrupt_names_written_build(out):
 
 def _echo_rope_note(manifest) -> None:
     """Repeat the rope note after the build on a terminal, whose spinner does not keep stage
-    lines (elsewhere the stage line ``[  t s] note: …`` stays in the log)."""
-    rope = manifest["model"].get("rope") or {}
-    if rope.get("reason") and _console().is_terminal:
-        click.echo(f"note: {rope['reason']}", err=True)
+    lines (elsewhere the stage line ``[  t s] note: …`` stays in the log);
+    ``manifest`` is a :class:`lade_export.manifest.Manifest`."""
+    rope = manifest.model.rope
+    if rope is not None and rope.reason and _console().is_terminal:
+        click.echo(f"note: {rope.reason}", err=True)
 
 
 class _progress:
@@ -337,11 +339,12 @@ class _progress:
 def export(source, out, force):
     """Export and parity-check the step graph only (a build with the default profile)."""
     from .build import build_artifact
+    from .manifest import Manifest
 
     with _interrupt_names_written_build(out):
         with _progress() as say:
-            manifest = build_artifact(source, _profiles(None), out, force=force, status=say)
-        click.echo(f"exported {out / manifest['graph']['file']}")
+            manifest = Manifest.from_dict(build_artifact(source, _profiles(None), out, force=force, status=say))
+        click.echo(f"exported {out / manifest.graph.file}")
         _echo_rope_note(manifest)
 
 
@@ -471,7 +474,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if library is not None:
         from .kernels import running_path
 
-        compute = ((model.artifact.manifest.get("quantization") or {}).get("spec") or {}).get("compute", "float32")
+        compute = model.artifact.spec.kernel_compute
         click.echo(f"[kernels] lade, {compute} compute, path: {running_path(library, compute)}", err=True)
     if backend == "tensorrt":
         click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
@@ -561,18 +564,18 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     if peers:
         from .peers import Peers
 
-        peer_set = Peers(peers, artifact.manifest["source"]["model"], llama_cpp, llama_gguf, threads,
+        peer_set = Peers(peers, artifact.spec.source.model, llama_cpp, llama_gguf, threads,
                          sampled=not sampling.greedy)
     extra_engines = []
     for path in also:
         other = _open_decoder(path, backend, device, dtype, threads)
         if other[0].dims != artifact.dims:
-            raise GenerationError(f"--also {path} is a build of another model ({other[0].manifest['source']['model']}: "
+            raise GenerationError(f"--also {path} is a build of another model ({other[0].spec.source.model}: "
                                   f"{other[0].dims.num_layers} layers, vocab {other[0].dims.vocab}) than {artifact_dir} "
                                   f"({artifact.dims.num_layers} layers, vocab {artifact.dims.vocab})")
-        tag = other[0].manifest["graph"].get("precision", "fp32")
+        tag = other[0].spec.graph.precision
         tags = [t for t, _, _ in extra_engines]
-        tag = tag if tag not in tags and tag != artifact.manifest["graph"].get("precision", "fp32") else path.name
+        tag = tag if tag not in tags and tag != artifact.spec.graph.precision else path.name
         default = other[0].default_profile()
         use = [] if not other[2].lookahead_exact else [default] if default is not None and default.enabled else \
             [p for p in profiles if p.enabled]  # a greedy default: still measure the compared profiles there
@@ -586,7 +589,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
                                        extra_engines=extra_engines)
     _report_skipped(skipped, records, decoder.max_context)
     rows = summarize(records)
-    meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.manifest["source"]["model"],
+    meta = {**environment(), "title": title, "artifact": str(artifact_dir), "model": artifact.spec.source.model,
             "backend": f"{backend} ({device}, {dtype})",
             "threads": threads or "default", "decoding": sampling.describe(), "datasets": ", ".join(datasets),
             "limit": limit, "max_new_tokens": max_new_tokens,
@@ -768,67 +771,65 @@ def inspect(artifact_dir, as_json):
     from .artifact import Artifact, checksum_errors  # not .check: that one needs the export extra
 
     artifact = Artifact(artifact_dir, verify=False)
-    m = artifact.manifest
     if as_json:
-        click.echo(json.dumps(m, indent=2))
+        click.echo(json.dumps(artifact.manifest, indent=2))  # the raw JSON object, as on disk
         return
+    m = artifact.spec
     console = Console(width=None if sys.stdout.isatty() else 160)
-    d = m["model"]["dims"]
-    console.print(f"[bold]{artifact_dir}[/] · schema {m['schema_version']} · built {m['created']} from "
-                  f"{m['source']['model']} ({m['source']['kind']})")
-    console.print(f"model: {d['num_layers']} layers, {d['heads']} heads / {d['kv_heads']} kv heads × {d['head_dim']}, "
-                  f"hidden {d['hidden']}, vocab {d['vocab']}, context {d['max_context']}, tied embeddings "
-                  f"{d['tied_embeddings']}; stop ids {m['model']['stop_token_ids']}")
-    rope = m["model"].get("rope")
+    d = m.model.dims
+    console.print(f"[bold]{artifact_dir}[/] · schema {m.schema_version} · built {m.created} from "
+                  f"{m.source.model} ({m.source.kind})")
+    console.print(f"model: {d.num_layers} layers, {d.heads} heads / {d.kv_heads} kv heads × {d.head_dim}, "
+                  f"hidden {d.hidden}, vocab {d.vocab}, context {d.max_context}, tied embeddings "
+                  f"{d.tied_embeddings}; stop ids {list(m.model.stop_token_ids)}")
+    rope = m.model.rope
     if rope:
-        console.print(f"rope {rope['type']}: {rope['handling']}, context {rope['declared_context']} of "
-                      f"{rope['max_position_embeddings']}" + (f", thresholds {rope['thresholds']}" if rope["thresholds"]
-                                                               else ""))
+        console.print(f"rope {rope.type}: {rope.handling}, context {rope.declared_context} of "
+                      f"{rope.max_position_embeddings}" + (f", thresholds {list(rope.thresholds)}" if rope.thresholds
+                                                           else ""))
     prof = Table(title="lookahead profiles")
     for col in ("name", "W", "N", "G", "max step"):
         prof.add_column(col)
-    for p in m["profiles"]:
-        prof.add_row(p["name"], str(p["window"]), str(p["ngram"]), str(p["guesses"]), str(p["max_step"]))
+    for p in m.profiles:
+        prof.add_row(p.name, str(p.window), str(p.ngram), str(p.guesses), str(p.max_step))
     console.print(prof)
-    io = Table(title=f"graph {m['graph']['file']} (opset {m['graph']['opset']})")
+    io = Table(title=f"graph {m.graph.file} (opset {m.graph.opset})")
     for col in ("", "name", "shape", "dtype"):
         io.add_column(col)
-    specs = [("in", s) for s in m["graph"]["inputs"]] + [("out", s) for s in m["graph"]["outputs"]]
-    shown = [x for x in specs if not x[1]["name"].startswith(("past_key_values.", "present."))]
-    for kind, s in shown:
-        io.add_row(kind, s["name"], escape("[" + ", ".join(map(str, s["shape"])) + "]"), s["dtype"])
-    cache = {s["name"]: s for _, s in specs}
+    specs = [("in", t) for t in m.graph.inputs] + [("out", t) for t in m.graph.outputs]
+    shown = [x for x in specs if not x[1].name.startswith(("past_key_values.", "present."))]
+    for kind, t in shown:
+        io.add_row(kind, t.name, escape("[" + ", ".join(map(str, t.shape)) + "]"), t.dtype)
+    cache = {t.name: t for _, t in specs}
     for kind, name in (("in", "past_key_values"), ("out", "present")):
         first = cache[f"{name}.0.key"]
-        io.add_row(kind, f"{name}.{{0..{d['num_layers'] - 1}}}.key/.value",
-                   escape("[" + ", ".join(map(str, first["shape"])) + "]"), first["dtype"])
+        io.add_row(kind, f"{name}.{{0..{d.num_layers - 1}}}.key/.value",
+                   escape("[" + ", ".join(map(str, first.shape)) + "]"), first.dtype)
     console.print(io)
-    console.print(escape(f"mask: {m['graph'].get('mask', '?')}"))
-    console.print(escape(f"attention: {artifact.attention}; KV cache: {m['graph'].get('kv_layout', artifact.kv_layout)}"))
-    q = m.get("quantization")
-    if isinstance(q, dict) and isinstance(q.get("spec"), dict):
-        spec, quality = q["spec"], q.get("quality") or {}
-        kernels = spec.get("kernels", "onnxruntime")
-        where = f" ({m['graph']['custom_ops']})" if m["graph"].get("custom_ops") else ""
-        library = q.get("kernels") if isinstance(q.get("kernels"), dict) else {}
-        if kernels == "lade":  # compute type, and the paths the library holds (older builds: float32, unlisted)
-            paths = (library.get("paths") or {}).get(spec.get("compute", "float32"))
-            where = (f" ({m['graph'].get('custom_ops')}; {spec.get('compute', 'float32')} compute"
+    console.print(escape(f"mask: {m.graph.mask or '?'}"))
+    console.print(escape(f"attention: {artifact.attention}; KV cache: {m.graph.kv_layout or artifact.kv_layout}"))
+    q = m.quantization
+    if q is not None:
+        spec, quality, library = q.spec, q.quality, q.kernels
+        where = f" ({m.graph.custom_ops})" if m.graph.custom_ops else ""
+        if spec.kernels == "lade":  # compute type, and the paths the library holds (older builds: unlisted)
+            paths = ((library.paths if library is not None else None) or {}).get(spec.compute)
+            where = (f" ({m.graph.custom_ops}; {spec.compute} compute"
                      + (f", paths {', '.join(paths)}" if paths else "") + ")")
-        agreement = quality.get("top1_agreement")
-        head = f"{spec['head_bits']}-bit" if spec.get("head_bits") else "float32"
-        console.print(escape(f"weights: {m['graph'].get('precision')} layers, {head} head and embedding, "
-                             f"{kernels} kernels{where}; lookahead exact: {m['graph'].get('lookahead_exact', True)}"
+        agreement = quality.top1_agreement
+        head = f"{spec.head_bits}-bit" if spec.head_bits else "float32"
+        console.print(escape(f"weights: {m.graph.precision} layers, {head} head and embedding, "
+                             f"{spec.kernels} kernels{where}; lookahead exact: {m.graph.lookahead_exact}"
                              + (f"; top-1 agreement with float32 {100 * agreement:.1f}%" if agreement is not None
                                 else "")))
     par = Table(title="parity (ONNX Runtime vs PyTorch)")
     for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):
         par.add_column(col)
-    for c in m["parity"]["cases"]:
+    for c in m.parity.cases if m.parity is not None else ():
         par.add_row(c["label"], str(c["step"]), str(c["past"]), f"{c['max_abs']:.2e}", f"{c['rel']:.1e}",
                     str(c["argmax_equal"]))
     console.print(par)
-    reference = m["parity"].get("transformers")
+    reference = m.parity.transformers if m.parity is not None else None
     if reference:
         ref = Table(title=f"parity (ONNX Runtime vs {reference['reference']})")
         for col in ("case", "tokens", "rows", "max |Δlogit|", "argmax equal"):
@@ -837,16 +838,16 @@ def inspect(artifact_dir, as_json):
             ref.add_row(c["label"], str(c["tokens"]), str(c["rows"]), f"{c['max_abs']:.2e}", str(c["argmax_equal"]))
         console.print(ref)
     bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))
-    for name, e in m["files"].items():
+    for name, e in m.files.items():
         state = f"[red]{escape(bad[name])}[/]" if name in bad else "ok"
-        console.print(f"  {name}  {e['bytes']:,} bytes  sha256 {e['sha256'][:16]}…  {state}")
-    for e in m.get("engines", []):
-        plan = e.get("precision_plan") or {}
-        flags = ", version-compatible" if e.get("version_compatible") else ""
-        console.print(f"  engine {e['file']} ({e.get('precision')}, {plan.get('network', '?')} network, TensorRT "
-                      f"{e.get('tensorrt_version')}{flags})")
+        console.print(f"  {name}  {e.bytes:,} bytes  sha256 {e.sha256[:16]}…  {state}")
+    for e in m.engines:
+        plan = e.precision_plan or {}
+        flags = ", version-compatible" if e.version_compatible else ""
+        console.print(f"  engine {e.file} ({e.precision}, {plan.get('network', '?')} network, TensorRT "
+                      f"{e.tensorrt_version}{flags})")
     if bad:
-        raise ArtifactError(f"{len(bad)} of {len(m['files'])} files differ from the manifest "
+        raise ArtifactError(f"{len(bad)} of {len(m.files)} files differ from the manifest "
                             f"({'; '.join(f'{k}: {v}' for k, v in bad.items())}); rebuild the artifact")
 
 

@@ -35,9 +35,9 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
         raise GenerationError(f"dtype must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {dtype!r}")
     if backend != "torch" and dtype != "float32":
         if backend == "tensorrt":  # graph.precision is model.onnx's; the engines carry their own
-            precision = ", ".join(sorted({str(e.get("precision")) for e in artifact.manifest.get("engines", [])})) or "fp32"
+            precision = ", ".join(sorted({str(e.precision) for e in artifact.spec.engines})) or "fp32"
         else:
-            precision = artifact.manifest["graph"].get("precision", "fp32")
+            precision = artifact.spec.graph.precision
         raise GenerationError(f"--dtype {dtype} applies to the torch backend; the {backend} backend computes in the "
                               f"artifact's precision ({precision}, chosen at build time with --precision)")
     if backend == "ort":
@@ -46,16 +46,16 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
         return OrtEngine(artifact.onnx_path, artifact.dims, threads=threads, provider="cuda" if device == "cuda" else "cpu",
                          custom_ops=artifact.custom_ops_path)
     if backend == "torch":
-        precision = artifact.manifest["graph"].get("precision", "fp32")
+        precision = artifact.spec.graph.precision
         if precision in ("int4", "int8"):
-            raise GenerationError(f"--backend torch runs the float32 checkpoint ({artifact.manifest['source']['model']}), "
+            raise GenerationError(f"--backend torch runs the float32 checkpoint ({artifact.spec.source.model}), "
                                   f"not this artifact's {precision} weights; use --backend ort")
         import torch
 
         from .torch import TorchEngine
         from ..model_source import load_model
 
-        loaded = load_model(artifact.manifest["source"]["model"])
+        loaded = load_model(artifact.spec.source.model)
         return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)
     from .tensorrt import TensorRTEngine
 

@@ -42,7 +42,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 def default_model_name(artifact: Artifact) -> str:
     """The model name from the artifact's source (``stories260K``, ``smollm2-135m-instruct`` …)."""
-    source = str(artifact.manifest.get("source", {}).get("model", "")) or artifact.root.name
+    source = str(artifact.spec.source.model or "") or artifact.root.name
     stem = Path(source.rstrip("/")).name
     stem = re.sub(r"\.(gguf|safetensors)$", "", stem)
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "model"
@@ -153,7 +153,7 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
     device = device or ("cuda" if backend == "tensorrt" else "cpu")
     if backend == "tensorrt" and device != "cuda":
         raise ServingError("the tensorrt backend runs on cuda; drop --device cpu or use --backend ort")
-    if backend == "tensorrt" and not artifact.manifest.get("engines"):
+    if backend == "tensorrt" and not artifact.spec.engines:
         raise ServingError(f"{artifact.root} has no TensorRT engines; build it with --engine tensorrt, or serve "
                            "with --backend ort")
     if copy_artifact and artifact_path:
@@ -217,7 +217,7 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
                 "path": str(artifact.root.resolve()),
                 "served_as": settings.artifact_dir,
                 "copied": copy_artifact,
-                "source_model": artifact.manifest.get("source", {}).get("model"),
+                "source_model": artifact.spec.source.model,
             },
             "instances": instances,
             "parameters": settings.to_parameters(),
