@@ -122,7 +122,7 @@ def present_value_name(layer: int) -> str:
     return f"present.{layer}.value"
 
 
-#: KV cache layouts of the step graph (manifest ``graph.kv_layout_name``).
+#: KV cache layouts of the step graph (manifest ``graph.kv_cache``).
 #: ``sequence-major``: past [batch, past, kv_heads, head_dim] (the filled prefix of a
 #: sequence-major buffer, contiguous), present = this step's keys/values only.
 #: ``head-major-shared``: past and present are one [batch, kv_heads, capacity, head_dim]
