@@ -90,7 +90,7 @@ def run_sequence_major(engine, feeds: dict, with_logits: bool = False) -> dict:
     Raises:
         EngineError: the engine failed to run the feeds.
     """
-    layout = getattr(engine, "kv_layout", "sequence-major")
+    layout = engine.kv_layout
     if layout == "sequence-major":
         return engine.run(feeds, with_logits=with_logits)
     past = feeds[past_key_name(0)].shape[1]

@@ -11,7 +11,8 @@ Cache invariant: after every step, the KV cache holds all tokens of the sequence
 the last accepted one, which is the first token fed at the next step.
 
 Concurrency: a :class:`Decoder` holds no per-request state. Each request owns its KV
-cache, its algorithm state and its text stream, so one decoder (one engine) serves
+cache, its algorithm state, its text stream and the engine's plan for its profile
+(:meth:`Engine.check_profile`, passed with each of its steps), so one decoder (one engine) serves
 requests from several threads at once; ONNX Runtime allows concurrent ``Run`` calls on
 one session and releases the GIL while it runs. Nothing here imports PyTorch.
 """
@@ -19,6 +20,7 @@ one session and releases the GIL while it runs. Nothing here imports PyTorch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import threading
@@ -37,13 +39,91 @@ from .specs import ModelDims
 
 
 class Engine(Protocol):
-    """What the decoding loop needs from a backend (ONNX Runtime, PyTorch, TensorRT)."""
+    """What the decoding loop (:class:`Decoder`) and the scheduler
+    (:class:`lade_export.scheduler.Scheduler`) need from a backend: ONNX Runtime
+    (:class:`~lade_export.backends.onnxruntime.OrtEngine`), PyTorch
+    (:class:`~lade_export.backends.torch.TorchEngine`), TensorRT
+    (:class:`~lade_export.backends.tensorrt.TensorRTEngine`). Every engine has every
+    member below; nothing else is read from an engine.
+
+    Attributes:
+        name: the backend's short name (``"ort"``, ``"torch"``, ``"tensorrt"``).
+        dims: the model's shape facts (:class:`lade_export.specs.ModelDims`).
+        kv_layout: the KV cache layout ``run`` takes (:data:`lade_export.specs.KV_LAYOUTS`):
+            ``"sequence-major"`` (``past_key_values.*`` float32 [batch, past, kv_heads,
+            head_dim]) or ``"head-major-shared"`` (float32 [batch, kv_heads, capacity,
+            head_dim] buffers the step writes into, see :mod:`lade_export.kv_cache`).
+        step_room: for a graph whose rotary table ends ``step_room`` tokens after the
+            context (``GroupQueryAttention``), that number of tokens: no step is wider
+            and a packed pass's keys stay below ``max_context + step_room``; None: no such limit.
+        attention_skips: key-block width in tokens (16) when the attention costs only the
+            key blocks a row may see (``AttentionRows`` that skip fully masked blocks; the
+            scheduler then gives each request its own region of the pool,
+            :class:`lade_export.packed.TokenPool`), else 0.
+    """
 
     name: str
     dims: ModelDims
+    kv_layout: str
+    step_room: int | None
+    attention_skips: int
 
-    def run(self, feeds: dict, with_logits: bool = False) -> dict:
-        """One forward pass on numpy feeds named as in :mod:`lade_export.specs`."""
+    def check_profile(self, profile: LookaheadProfile) -> str | None:
+        """Refuse a lookahead profile whose steps the engine cannot take, before any work,
+        and say how the engine runs that profile's steps.
+
+        Args:
+            profile: an enabled :class:`~lade_export.profile.LookaheadProfile` (its
+                ``max_step`` tokens and ``max_logit_rows`` rows are the widest step).
+
+        Returns:
+            the engine's plan for that profile's steps, to pass to :meth:`run` as ``plan``
+            with each of the request's steps (TensorRT: the name of the engine whose decode
+            optimization profile covers them); None for an engine with one graph for
+            every step. A value, never state kept by the engine: requests of different
+            profiles in different threads each carry their own.
+
+        Raises:
+            ProfileError: the widest step is beyond the engine's graph (rotary rows,
+                TensorRT optimization profiles), naming the limits.
+        """
+
+    def check_batching(self, token_budget: int, prefill_chunk: int, kv_tokens: int) -> None:
+        """Refuse continuous batching whose packed passes the engine cannot take.
+
+        Args:
+            token_budget, prefill_chunk, kv_tokens: the scheduler's options (rows of a
+                decode pass, rows of a prefill chunk, tokens of the KV pool).
+
+        Raises:
+            GenerationError: the passes exceed the engine's shapes (TensorRT's packed
+                optimization profile); engines of dynamic shapes accept any.
+        """
+
+    def run(self, feeds: dict, with_logits: bool = False, plan: str | None = None) -> dict:
+        """One forward pass of the step graph.
+
+        Args:
+            feeds: numpy arrays by input name (:mod:`lade_export.specs`: ``input_ids``,
+                ``position_ids`` int64 [batch, step], ``attention_mask`` bool [batch, 1,
+                step, past + step], ``logits_positions`` int64 [batch, n_logits], the
+                ``past_key_values.*`` cache in :attr:`kv_layout`).
+            with_logits: also return ``logits`` float32 [batch, n_logits, vocab] (else
+                only ``next_token_ids`` int64 [batch, n_logits] and ``present.*``).
+            plan: what :meth:`check_profile` returned for the request's profile; None
+                (greedy steps, a scheduler's packed pass of several requests): the engine
+                chooses by the feeds' shapes alone. Callers pass it only when
+                :meth:`check_profile` returned one, so an engine whose
+                :meth:`check_profile` always returns None is always called as
+                ``run(feeds, with_logits=...)``.
+
+        Returns:
+            numpy arrays by output name.
+
+        Raises:
+            EngineError: the backend failed to run the feeds.
+            GenerationError: the engine's shapes do not cover the step (TensorRT).
+        """
 
     def close(self) -> None:
         """Release the engine's resources."""
@@ -183,8 +263,12 @@ class Decoder:
 
     # -- validation, once for the library and the CLI -------------------------------------
 
-    def check_request(self, prompt_len: int, max_new_tokens, profile: LookaheadProfile | None = None) -> None:
+    def check_request(self, prompt_len: int, max_new_tokens, profile: LookaheadProfile | None = None) -> str | None:
         """Refuse a request that cannot be served, before any work.
+
+        Returns:
+            the engine's plan for the profile's steps (:meth:`Engine.check_profile`), None
+            for plain decoding or an engine with one graph for every step.
 
         Raises:
             GenerationError: empty prompt, ``max_new_tokens`` not an integer ≥ 1 (Python's
@@ -208,9 +292,8 @@ class Decoder:
                                    "differently (int8 activations), so lookahead would not be exact; decode without "
                                    "lookahead, or use an int4 or fp32 build")
             profile.check_fits(self.max_context)
-            supports = getattr(self.engine, "check_profile", None)
-            if supports is not None:
-                supports(profile)
+            return self.engine.check_profile(profile)
+        return None
 
     # -- live requests ---------------------------------------------------------------------
 
@@ -256,8 +339,8 @@ class Decoder:
                 GenerationError also for a prompt token id outside ``[0, vocab)``, an empty
                 stop string, or a ``timeout_s`` that is not a finite number > 0.
         """
-        prompt, max_new_tokens = self.validate(prompt_ids, max_new_tokens, profile, stop, timeout_s)
-        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling)
+        prompt, max_new_tokens, plan = self._checked(prompt_ids, max_new_tokens, profile, stop, timeout_s)
+        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling, plan)
 
     def validate(self, prompt_ids, max_new_tokens, profile=None, stop=(), timeout_s=None) -> tuple[list[int], int]:
         """The checks of :meth:`stream` before any work (also the scheduler's,
@@ -269,8 +352,13 @@ class Decoder:
         Raises:
             GenerationError, ProfileError: as :meth:`stream`.
         """
+        prompt, max_new_tokens, _ = self._checked(prompt_ids, max_new_tokens, profile, stop, timeout_s)
+        return prompt, max_new_tokens
+
+    def _checked(self, prompt_ids, max_new_tokens, profile, stop, timeout_s) -> tuple[list[int], int, str | None]:
+        """:meth:`validate`, also returning the engine's plan for the profile's steps."""
         prompt = [int(t) for t in prompt_ids]
-        self.check_request(len(prompt), max_new_tokens, profile)
+        plan = self.check_request(len(prompt), max_new_tokens, profile)
         max_new_tokens = int(max_new_tokens)
         if timeout_s is not None and not (is_real_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
             raise GenerationError(f"timeout_s must be a finite number of seconds > 0, got {shown_value(timeout_s)}")
@@ -281,9 +369,9 @@ class Decoder:
             raise GenerationError(f"token id {outside} is outside the vocabulary (0..{self.dims.vocab - 1})")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
-        return prompt, max_new_tokens
+        return prompt, max_new_tokens, plan
 
-    def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s, sampling) -> Iterator[Chunk]:
+    def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s, sampling, plan) -> Iterator[Chunk]:
         t0 = time.perf_counter()
         deadline = t0 + timeout_s if timeout_s is not None else None
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
@@ -292,14 +380,16 @@ class Decoder:
         state = new_state(profile, self.dims.vocab, prompt, rules, sampling)
         stats = GenerationStats(prompt_tokens=len(prompt), decoding=sampling.describe() if sampling else "greedy")
         widest = profile.max_step if profile is not None else 1
-        cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens,
-                        layout=getattr(self.engine, "kv_layout", "sequence-major"), step_room=widest)
+        cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens, layout=self.engine.kv_layout,
+                        step_room=widest)
         key = id(cache)
+        # the request's steps carry the engine's plan for its profile (none: the engine's own choice)
+        run = self.engine.run if plan is None else functools.partial(self.engine.run, plan=plan)
         with self._lock:
             self._live[key] = cache.nbytes
         try:
             if len(prompt) > 1:
-                cache.append(self.engine.run({**causal_feeds(prompt[:-1], 0), **cache.feeds()}), step=len(prompt) - 1)
+                cache.append(run({**causal_feeds(prompt[:-1], 0), **cache.feeds()}), step=len(prompt) - 1)
             stats.prefill_s = time.perf_counter() - t0
             histogram: Counter = Counter()
             engine_s = 0.0
@@ -316,7 +406,7 @@ class Decoder:
                 feeds = layout.feeds()
                 feeds.update(cache.feeds())
                 te = time.perf_counter()
-                outputs = self.engine.run(feeds, with_logits=state.needs_logits)
+                outputs = run(feeds, with_logits=state.needs_logits)
                 engine_s += time.perf_counter() - te
                 verdict = state.update(layout, outputs)
                 stats.steps += 1

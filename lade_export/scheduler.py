@@ -110,7 +110,7 @@ import numpy as np
 from .detokenize import TextStream
 from .errors import GenerationError
 from .lookahead import StopRules, new_state
-from .packed import PackedItem, TokenPool, attention_skips, item_outputs, pack
+from .packed import PackedItem, TokenPool, item_outputs, pack
 from .profile import LookaheadProfile
 from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
 from .sampling import GreedyRule, SamplingParams
@@ -266,7 +266,7 @@ class Scheduler:
         self.max_unread = max_unread
         dims = decoder.dims
         limit = max_batch * decoder.max_context
-        rotary = getattr(self.engine, "step_room", None)
+        rotary = self.engine.step_room
         if rotary is not None:  # GroupQueryAttention: a pass's key length ≤ the rotary table's rows
             limit = min(limit, dims.max_context + rotary - max(token_budget, prefill_chunk, rotary))
         if kv_tokens is not None:
@@ -274,9 +274,9 @@ class Scheduler:
                 raise GenerationError(f"kv_tokens must be an integer ≥ 1, got {kv_tokens!r}")
             limit = min(limit, kv_tokens) if rotary is not None else kv_tokens
         self.kv_tokens = limit
-        layout = getattr(self.engine, "kv_layout", "sequence-major")
+        layout = self.engine.kv_layout
         # one contiguous region per request where attention skips the key blocks a row cannot see
-        regions = layout == "sequence-major" and attention_skips(self.engine) > 0
+        regions = layout == "sequence-major" and self.engine.attention_skips > 0
         self.pool = TokenPool(dims, layout, 0, limit, initial=min(limit, 1024), regions=regions)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []

@@ -323,6 +323,9 @@ class _SlowEngine:
         self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
         self.passes = 0
 
+    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
+        return getattr(self.engine, name)
+
     def run(self, feeds, with_logits=False):
         time.sleep(0.05)
         self.passes += 1
@@ -538,6 +541,8 @@ class Slow:  # the stories engine, 20 ms slower on every pass: 400 plain-decodin
     def __init__(self, engine):
         self.engine = engine
         self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
+        return getattr(self.engine, name)
     def run(self, feeds, with_logits=False):
         time.sleep(0.02)
         return self.engine.run(feeds, with_logits)

@@ -147,6 +147,9 @@ class _FailOn:
         self.engine, self.bad = engine, bad
         self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
 
+    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
+        return getattr(self.engine, name)
+
     def run(self, feeds, with_logits=False):
         if np.any(feeds["input_ids"] == self.bad):
             raise EngineError(f"ONNX Runtime step failed: token {self.bad}")
@@ -177,6 +180,9 @@ class _SlowPrefill:
     def __init__(self, engine):
         self.engine = engine
         self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+
+    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
+        return getattr(self.engine, name)
 
     def run(self, feeds, with_logits=False):
         if feeds["input_ids"].shape[1] > 1:

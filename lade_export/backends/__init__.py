@@ -1,9 +1,11 @@
 """Engine backends. Each module imports its framework lazily, so a missing optional
 backend (TensorRT) costs nothing until it is asked for.
 
-Every engine has the same small interface (see :class:`lade_export.runtime.Engine`):
-``dims`` (model shape facts), ``run(feeds, with_logits=False) -> outputs`` on numpy
-arrays named as in :mod:`lade_export.specs`, and ``close()``.
+Every engine has the same interface, :class:`lade_export.runtime.Engine`: ``name``,
+``dims`` (model shape facts), ``kv_layout``, ``step_room``, ``attention_skips``,
+``check_profile(profile) -> plan``, ``check_batching(...)``, ``run(feeds,
+with_logits=False, plan=None) -> outputs`` on numpy arrays named as in
+:mod:`lade_export.specs`, and ``close()``.
 """
 
 from ..errors import BackendUnavailableError, GenerationError

@@ -44,6 +44,11 @@ class OrtEngine:
             (float32 C-contiguous [batch, kv_heads, capacity, head_dim]) and binds the
             matching ``present.*`` output to the same memory, so ONNX Runtime writes this
             step's keys and values into the caller's buffer and copies nothing else.
+        step_room: for a ``GroupQueryAttention`` graph, the tokens its rotary table holds
+            past the context (model metadata ``step_room``); None for other graphs.
+        attention_skips: 16 when the graph's ``AttentionRows`` skip fully masked blocks of
+            16 keys (model metadata ``attention_skips_masked``, written by
+            :func:`lade_export.quantize.quantize_step_graph`), else 0.
         device_memory: where a device-resident cache lives (a
             :class:`~lade_export.backends.cuda.CudaDevice`, or
             :class:`~lade_export.backends.cuda.HostMemory` on the CPU), None when off.
@@ -103,6 +108,8 @@ class OrtEngine:
         meta = self.session.get_modelmeta().custom_metadata_map
         self.kv_layout = meta.get("kv_layout", "sequence-major")
         self.step_room = int(meta["step_room"]) if "step_room" in meta else None
+        skips = meta.get("attention_skips_masked", "0")
+        self.attention_skips = int(skips) if skips.isdigit() else 0
         self._shared = {}  # past input name -> present output name (head-major-shared)
         self._bindings = {}  # (with_logits, cache buffers) -> IOBinding with those buffers bound (_run_shared)
         self._bindings_lock = threading.Lock()
@@ -129,7 +136,11 @@ class OrtEngine:
         self._device_lock = threading.Lock()
 
     def check_profile(self, profile) -> None:
-        """Refuse a lookahead profile whose widest step the graph cannot take.
+        """Refuse a lookahead profile whose widest step the graph cannot take
+        (:meth:`lade_export.runtime.Engine.check_profile`).
+
+        Returns:
+            None: one graph runs every step.
 
         Raises:
             ProfileError: a ``group-query-attention`` graph has rotary rows for at most
@@ -139,10 +150,16 @@ class OrtEngine:
             raise ProfileError(f"profile {profile.name!r}: its largest step ({profile.max_step} tokens) is wider than "
                                f"this graph takes ({self.step_room}, GroupQueryAttention's rotary table); give a "
                                "smaller W, N or G")
+        return None
 
-    def run(self, feeds: dict, with_logits: bool = False) -> dict:
+    def check_batching(self, token_budget: int, prefill_chunk: int, kv_tokens: int) -> None:
+        """Accept any scheduler options: the graph's shapes are dynamic (``step_room``
+        limits the scheduler's pool itself, :class:`lade_export.scheduler.Scheduler`)."""
+
+    def run(self, feeds: dict, with_logits: bool = False, plan: str | None = None) -> dict:
         """One forward pass. ``feeds``: numpy arrays by input name. Returns numpy arrays by
         output name; ``logits`` only when ``with_logits`` (the decoder reads ``next_token_ids``).
+        ``plan`` is ignored (one graph runs every step; :meth:`check_profile` returns None).
 
         Raises:
             EngineError: ONNX Runtime failed to run the feeds (first line of its message).

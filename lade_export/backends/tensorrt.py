@@ -369,15 +369,19 @@ class TensorRTEngine:
     Every step goes to the engine and optimization profile that cover its shapes: an
     empty cache tries the prefill profile (0) first, a step with a cache the decode
     profile (1), then the packed profile (2, the scheduler's passes, in engines built
-    with it: :mod:`lade_export.optimization_profiles`); among the engines, those already loaded come first, then the engine
-    :meth:`check_profile` found for the latest request's profile (the one whose decode
-    profile covers that profile's largest step with the fewest tokens to spare), then
-    the smallest — so a request of profile X runs its lookahead steps on an engine that
-    covers X's largest step, and a workload of one profile loads one engine. Any
-    covering engine computes the same step; the order only saves memory and keeps steps
-    near an engine's tuned shapes. Engines are deserialized when first used. One execution context
-    per (engine, optimization profile); ``run`` holds a lock, so one object serves
-    several threads.
+    with it: :mod:`lade_export.optimization_profiles`). Which engine is a request's:
+    :meth:`check_profile` returns, for a lookahead profile, the name of the engine whose
+    decode profile covers its largest step with the fewest tokens to spare (its plan),
+    and the request passes that name with each of its steps (``run(..., plan=name)``):
+    that engine is tried first, then the engines already loaded, then the smallest. The
+    choice travels with the request, never as state of this object, so concurrent
+    requests of different profiles each run on their own engine; a step without a plan
+    (greedy decoding, a scheduler's packed pass) goes to a loaded engine that covers it
+    if any. A workload of one profile loads one engine. Any covering engine computes the
+    same step; the order only saves memory and keeps steps near an engine's tuned
+    shapes. Engines are deserialized when first used. One execution context per
+    (engine, optimization profile); ``run`` holds a lock, so one object serves several
+    threads.
 
     Args:
         artifact: an opened :class:`lade_export.artifact.Artifact` with ``engines`` entries.
@@ -391,6 +395,9 @@ class TensorRTEngine:
     Attributes:
         runtime_kind: ``full``, ``lean`` or ``dispatch``; ``runtime_description`` says
             which module and version run the engines.
+        kv_layout: ``"sequence-major"`` (TensorRT builds keep the standard attention operators).
+        step_room: None (no rotary table past the context).
+        attention_skips: 0 (attention spans every column).
 
     Raises:
         BackendUnavailableError: no TensorRT runtime, no CUDA wrapper or GPU, an
@@ -401,6 +408,9 @@ class TensorRTEngine:
     """
 
     name = "tensorrt"
+    kv_layout = "sequence-major"
+    step_room = None
+    attention_skips = 0
 
     def __init__(self, artifact, engine: str | None = None, device: str = "cuda", runtime: str | None = None):
         from .cuda import CudaDevice, cuda_unavailable_reason
@@ -430,7 +440,6 @@ class TensorRTEngine:
         self.runtime_description = (f"TensorRT {self.version} {self.runtime_kind} runtime ({self.trt.__name__}) on GPU "
                                     f"{index} (compute capability {capability})")
         self._runtime = None
-        self._hint = None  # the engine of the latest checked profile: first choice among those not loaded
         self._buffers: dict[str, object] = {}
         self._mirrors: dict[int, object] = {}  # id(KVCache) -> its KVMirror (device copy of the cache)
         self._latest = None  # (present.0.key returned by the latest run, its present device buffers)
@@ -506,23 +515,33 @@ class TensorRTEngine:
             plan.contexts[index] = ctx
         return ctx
 
-    def select(self, feeds: dict):
+    def select(self, feeds: dict, plan: str | None = None):
         """``(plan, optimization profile index)`` whose shapes cover ``feeds``, None if none.
 
-        Order: loaded engines first, then the engine of the profile last passed to
-        :meth:`check_profile`, then the smallest decode step; within an engine the
-        prefill profile first for an empty cache, else the decode profile, then packed.
+        Args:
+            feeds: the step's inputs (only their shapes are read).
+            plan: the name of the engine to try first (what :meth:`check_profile` returned
+                for the request's profile), or None.
+
+        Order: the engine named ``plan``, then the loaded engines, then the smallest decode
+        step; within an engine the prefill profile first for an empty cache, else the
+        decode profile, then packed.
+
+        Raises:
+            GenerationError: ``plan`` names no engine of this object.
         """
+        if plan is not None and all(p.name != plan for p in self.plans):
+            raise GenerationError(f"no TensorRT engine {plan!r} here (engines: {', '.join(p.name for p in self.plans)})")
         shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
         past = shapes.get("past_key_values.0.key", (0, 0, 0))[1]
-        plans = sorted(self.plans, key=lambda p: (p.engine is None, p is not self._hint, p.decode_step))
+        plans = sorted(self.plans, key=lambda p: (p.name != plan, p.engine is None, p.decode_step))
         preference = ("prefill", "decode", "packed") if past == 0 else ("decode", "packed", "prefill")
-        for plan in plans:
-            order = sorted(range(len(plan.phases)),
-                           key=lambda i: preference.index(plan.phases[i]) if plan.phases[i] in preference else 9)
+        for candidate in plans:
+            order = sorted(range(len(candidate.phases)), key=lambda i: preference.index(candidate.phases[i])
+                           if candidate.phases[i] in preference else 9)
             for index in order:
-                if plan.covers(index, shapes):
-                    return plan, index
+                if candidate.covers(index, shapes):
+                    return candidate, index
         return None
 
     @property
@@ -556,22 +575,26 @@ class TensorRTEngine:
                                   "(Scheduler(model.decoder, token_budget=…, prefill_chunk=…, kv_tokens=…)) or rebuild "
                                   "the engines with a larger --max-context")
 
-    def optimization_profile_for(self, feeds: dict) -> str | None:
-        """``"ENGINE:PHASE"`` that :meth:`run` would use for ``feeds`` (None: not covered)."""
-        chosen = self.select(feeds)
+    def optimization_profile_for(self, feeds: dict, plan: str | None = None) -> str | None:
+        """``"ENGINE:PHASE"`` that :meth:`run` would use for ``feeds`` with ``plan`` (None: not covered)."""
+        chosen = self.select(feeds, plan)
         return f"{chosen[0].name}:{chosen[0].phases[chosen[1]]}" if chosen else None
 
-    def check_profile(self, profile) -> None:
+    def check_profile(self, profile) -> str:
         """Refuse a lookahead profile whose largest step no engine's decode profile covers
-        (called by :meth:`lade_export.runtime.Decoder.check_request`).
+        (called by :meth:`lade_export.runtime.Decoder.check_request`), else choose its engine.
+
+        Returns:
+            the name of the engine whose decode profile covers the profile's largest step
+            and logit rows with the fewest tokens to spare: the request's ``plan`` for
+            :meth:`run`. Nothing is kept here.
 
         Raises:
             ProfileError: naming the profile, its largest step and each engine's limits.
         """
         fits = [p for p in self.plans if p.decode_step >= profile.max_step and p.decode_rows >= profile.max_logit_rows]
         if fits:
-            self._hint = min(fits, key=lambda p: p.decode_step)
-            return
+            return min(fits, key=lambda p: p.decode_step).name
         have = "; ".join(f"{p.name}: steps ≤ {p.decode_step}, ≤ {p.decode_rows} logit rows" for p in self.plans)
         raise ProfileError(
             f"profile {profile.name!r} needs steps of up to {profile.max_step} tokens ({profile.max_logit_rows} logit "
@@ -605,10 +628,11 @@ class TensorRTEngine:
             mirror = self._mirrors[id(cache)] = KVMirror(self.cuda, cache, names)
         return cache, mirror
 
-    def run(self, feeds: dict, with_logits: bool = False) -> dict:
+    def run(self, feeds: dict, with_logits: bool = False, plan: str | None = None) -> dict:
         """One forward pass; same contract as the ONNX Runtime engine (numpy in, numpy out,
         ``logits`` only when ``with_logits`` — it is then the only output not copied back
-        otherwise).
+        otherwise). ``plan``: the engine to try first (the request's, from
+        :meth:`check_profile`; see :meth:`select`), None to choose by the shapes alone.
 
         The KV cache stays on the GPU: when the ``past_key_values.*`` feeds are a
         :class:`~lade_export.kv_cache.KVCache`'s (batch 1, as the decoding loop and the
@@ -623,12 +647,12 @@ class TensorRTEngine:
         Raises:
             GenerationError: no engine's optimization profiles cover the step (a prompt
                 longer than the engines' ``--max-prompt``, a cache beyond their
-                ``--max-context``, a larger batch or step).
+                ``--max-context``, a larger batch or step), or ``plan`` names no engine here.
             EngineError: TensorRT rejects an input shape or fails to run the step, or a
                 CUDA copy fails.
         """
         with self._lock:
-            chosen = self.select(feeds)
+            chosen = self.select(feeds, plan)
             if chosen is None:
                 step = np.shape(feeds["input_ids"])
                 past = np.shape(feeds["past_key_values.0.key"])[1]

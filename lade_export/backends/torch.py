@@ -23,11 +23,19 @@ class TorchEngine:
         dtype: compute dtype (``torch.float32`` or ``torch.float16``/``bfloat16`` on a GPU).
         threads: ``torch.set_num_threads`` value (None leaves it).
 
+    Attributes:
+        kv_layout: ``"sequence-major"`` (the step module takes the cache as its inputs).
+        step_room: None (the standard-operator attention has no rotary-table limit).
+        attention_skips: 0 (attention spans every column).
+
     Raises:
         BackendUnavailableError: ``device="cuda"`` without a CUDA device.
     """
 
     name = "torch"
+    kv_layout = "sequence-major"
+    step_room = None
+    attention_skips = 0
 
     def __init__(self, hf_model, device: str = "cpu", dtype=torch.float32, threads: int | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -42,8 +50,16 @@ class TorchEngine:
         for i in range(self.dims.num_layers):
             self._names += [present_key_name(i), present_value_name(i)]
 
-    def run(self, feeds: dict, with_logits: bool = False) -> dict:
-        """Same contract as :meth:`lade_export.backends.onnxruntime.OrtEngine.run`."""
+    def check_profile(self, profile) -> None:
+        """Accept any lookahead profile (:meth:`lade_export.runtime.Engine.check_profile`):
+        the module takes steps of any width. Returns None (no plan to choose)."""
+        return None
+
+    def check_batching(self, token_budget: int, prefill_chunk: int, kv_tokens: int) -> None:
+        """Accept any scheduler options (shapes are dynamic)."""
+
+    def run(self, feeds: dict, with_logits: bool = False, plan: str | None = None) -> dict:
+        """Same contract as :meth:`lade_export.backends.onnxruntime.OrtEngine.run` (``plan`` ignored)."""
         dev = self.device
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
         past = []
