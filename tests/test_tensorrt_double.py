@@ -270,6 +270,71 @@ def test_generate_runs_lookahead_steps_on_the_engine_that_covers_the_profile(art
     assert small.stdout[:40] == result.stdout[:40]
 
 
+def test_check_profile_returns_the_requests_engine_and_keeps_nothing(art10, monkeypatch):
+    from lade_export.feeds import example_feeds
+
+    engine, _ = _engine(art10[0], monkeypatch)
+    feeds = example_feeds(engine.dims, step=9, past=100)
+    feeds["logits_positions"] = feeds["logits_positions"][:, :7]
+    assert engine.check_profile(resolve_profile("wide")) == "wide"  # steps ≤ 31: only wide's decode profile covers
+    assert engine.check_profile(resolve_profile("small")) == "small"
+    assert engine.check_profile(resolve_profile("wide")) == "wide"
+    # the latest check steers nothing: without a plan the smallest covering engine, with one the plan's
+    assert engine.optimization_profile_for(feeds) == "small:decode"
+    assert engine.optimization_profile_for(feeds, plan="wide") == "wide:decode"
+    assert engine.optimization_profile_for(feeds, plan="small") == "small:decode"
+    with pytest.raises(GenerationError, match=r"^no TensorRT engine 'paper' here \(engines: small, wide\)$"):
+        engine.run(feeds, plan="paper")
+    engine.close()
+
+
+def test_concurrent_requests_of_different_profiles_each_run_on_their_own_engine(art10, reference_greedy,
+                                                                                monkeypatch):
+    """Two requests validated one after the other (small, then wide) and decoded in two
+    threads at once: each step runs on the engine its own profile chose, whatever the
+    other request checked or loaded, and both equal plain greedy decoding."""
+    import threading
+
+    import lade_export
+    from lade_export.runtime import collect
+
+    out, _ = art10
+    state = install(monkeypatch, version=V10)
+    case = reference_greedy["cases"][0]
+    with lade_export.load(out, "tensorrt") as model:
+        decoder = model.decoder
+        decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
+        engine, real_run, lock = model.engine, model.engine.run, threading.Lock()
+        seen = {"small": [], "wide": []}  # request -> (plan passed, engine that executed) per step
+
+        def spy(feeds, with_logits=False, plan=None):
+            with lock:  # the engine runs one step at a time anyway; this pairs each run with its execution
+                result = real_run(feeds, with_logits, plan=plan)
+                seen[threading.current_thread().name].append((plan, state.executions[-1]["decode_max_step"]))
+            return result
+
+        engine.run = spy
+        streams = {name: decoder.stream(case["prompt_ids"], 64, resolve_profile(name)) for name in ("small", "wide")}
+        barrier, results = threading.Barrier(2), {}
+
+        def consume(name):
+            barrier.wait()
+            results[name] = collect(streams[name])
+
+        threads = [threading.Thread(target=consume, args=(name,), name=name) for name in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        del engine.run
+        assert sorted(model.engine.loaded_engines) == ["small", "wide"]
+    assert seen["small"] and set(seen["small"]) == {("small", 9)}  # prefill and every lookahead step
+    assert seen["wide"] and set(seen["wide"]) == {("wide", 31)}
+    assert max(r.stats.steps for r in results.values()) > 1
+    for name in ("small", "wide"):
+        assert results[name].token_ids == case["greedy_ids"][:64], name
+
+
 def test_a_profile_no_engine_covers_is_refused_naming_the_limits(art10, monkeypatch):
     out, _ = art10
     install(monkeypatch, version=V10)
