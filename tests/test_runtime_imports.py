@@ -22,6 +22,7 @@ RUNTIME_MODULES = (
     "lade_export",
     "lade_export.api",
     "lade_export.artifact",
+    "lade_export.manifest",
     "lade_export.runtime",
     "lade_export.kv_cache",
     "lade_export.feeds",
