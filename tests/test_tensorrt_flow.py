@@ -112,7 +112,7 @@ def test_tensorrt_runtime_engine_says_what_is_missing(stories_artifact, tmp_path
     art = tmp_path / "art"
     shutil.copytree(stories_artifact, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["engines"] = [{"file": "engines/default.plan", "profile": {"name": "default"}}]
+    manifest["engines"] = [{"file": "engines/default.plan", "profile": manifest["profiles"][0]}]  # a valid entry, its plan absent
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BackendUnavailableError, match=r"^TensorRT is not installed; the lean runtime only runs engines "
                                                       r"built with --version-compatible: pip install "
