@@ -75,7 +75,7 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
     except BaseException:  # a refused scheduler option: the engine's sessions are not left to the collector
         engine.close()
         raise
-    if batching and backend == "tensorrt":  # the scheduler's passes must fit the engines' packed profile
+    if batching:  # the scheduler's passes must fit the engine's shapes (TensorRT: its packed profile)
         s = model.scheduler
         try:
             engine.check_batching(s.token_budget, s.prefill_chunk, s.kv_tokens)

@@ -328,12 +328,12 @@ class _Plan:
     """One engine of the manifest: its optimization-profile shapes, and once used, the
     deserialized ``ICudaEngine`` and an execution context per optimization profile."""
 
-    def __init__(self, root: Path, entry: dict):
-        self.entry = entry
-        self.name = entry["profile"]["name"]
-        self.path = root / entry["file"]
-        self.phases = list(entry["optimization_profiles"])  # index = optimization profile index
-        self.shapes = entry["optimization_profiles"]
+    def __init__(self, root: Path, entry):
+        self.entry = entry  # a lade_export.manifest.EngineEntry
+        self.name = entry.profile.name
+        self.path = root / entry.file
+        self.phases = list(entry.optimization_profiles)  # index = optimization profile index
+        self.shapes = entry.optimization_profiles
         decode = self.shapes["decode"]
         self.decode_step = decode["input_ids"]["max"][1]
         self.decode_rows = decode["logits_positions"]["max"][1]
@@ -415,12 +415,12 @@ class TensorRTEngine:
     def __init__(self, artifact, engine: str | None = None, device: str = "cuda", runtime: str | None = None):
         from .cuda import CudaDevice, cuda_unavailable_reason
 
-        entries = artifact.manifest.get("engines") or []
+        entries = list(artifact.spec.engines)
         if not entries:
             raise ArtifactError(f"{artifact.root} has no TensorRT engines; build it with --engine tensorrt")
         if engine is not None:
-            names = [e["profile"]["name"] for e in entries]
-            entries = [e for e in entries if e["profile"]["name"] == engine]
+            names = [e.profile.name if e.profile else e.file for e in entries]
+            entries = [e for e in entries if e.profile is not None and e.profile.name == engine]
             if not entries:
                 raise ArtifactError(f"{artifact.root} has no TensorRT engine {engine!r}; it has {', '.join(names)}")
         self.trt, self.runtime_kind = import_runtime(runtime)
@@ -445,18 +445,21 @@ class TensorRTEngine:
         self._latest = None  # (present.0.key returned by the latest run, its present device buffers)
         self._lock = threading.Lock()
 
-    def _check_entry(self, entry: dict, capability: str) -> None:
-        file = entry["file"]
-        built = entry.get("tensorrt_version", "?")
-        vc = bool(entry.get("version_compatible"))
+    def _check_entry(self, entry, capability: str) -> None:
+        file = entry.file
+        if entry.profile is None or entry.optimization_profiles is None:
+            raise ArtifactError(f"engine {file}: its manifest entry lacks its profile or optimization profiles; "
+                                "rebuild with lade-export build --engine tensorrt")
+        built = entry.tensorrt_version or "?"
+        vc = bool(entry.version_compatible)
         if self.runtime_kind != "full" and not vc:
             raise BackendUnavailableError(
                 f"{file} was built without --version-compatible, which the {self.runtime_kind} runtime "
                 f"({self.trt.__name__}) needs; rebuild with --version-compatible, or install the full TensorRT "
                 "(pip install 'lade-export[tensorrt]')")
-        if entry.get("compute_capability") != capability and not entry.get("hardware_compatible"):
+        if entry.compute_capability != capability and not entry.hardware_compatible:
             raise ArtifactError(
-                f"engine {file} was built for compute capability {entry.get('compute_capability')}, this GPU is "
+                f"engine {file} was built for compute capability {entry.compute_capability}, this GPU is "
                 f"{capability}; rebuild it here or with --hardware-compatible")
         same = built.split(".")[:3] == self.version.split(".")[:3]
         later = version_of(self.trt) >= tuple(int(x) for x in built.split(".")[:2]) if built != "?" else False
@@ -482,20 +485,20 @@ class TensorRTEngine:
         engine = self._trt_runtime().deserialize_cuda_engine(plan.path.read_bytes())
         if engine is None:
             raise ArtifactError(f"TensorRT {self.version} ({self.runtime_kind} runtime) cannot deserialize "
-                                f"{plan.entry['file']}; see the TensorRT log above")
+                                f"{plan.entry.file}; see the TensorRT log above")
         numpy_of = {trt.float32: np.float32, trt.float16: np.float16, trt.int64: np.int64, trt.int32: np.int32,
                     trt.bool: np.bool_}
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         for name in names:
             dtype = engine.get_tensor_dtype(name)
             if dtype not in numpy_of:
-                raise ArtifactError(f"{plan.entry['file']}: I/O tensor {name} is {dtype}; the runtime exchanges "
+                raise ArtifactError(f"{plan.entry.file}: I/O tensor {name} is {dtype}; the runtime exchanges "
                                     "float32, int64 and bool tensors (rebuild the engine)")
             plan.dtypes[name] = np.dtype(numpy_of[dtype])
         plan.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         plan.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         if engine.num_optimization_profiles != len(plan.phases):
-            raise ArtifactError(f"{plan.entry['file']} has {engine.num_optimization_profiles} optimization profiles; "
+            raise ArtifactError(f"{plan.entry.file} has {engine.num_optimization_profiles} optimization profiles; "
                                 f"the manifest lists {len(plan.phases)} ({', '.join(plan.phases)})")
         plan.engine = engine
 
@@ -506,11 +509,11 @@ class TensorRTEngine:
         if ctx is None:
             ctx = plan.engine.create_execution_context()
             if ctx is None:
-                raise EngineError(f"TensorRT cannot create an execution context for {plan.entry['file']} "
+                raise EngineError(f"TensorRT cannot create an execution context for {plan.entry.file} "
                                   "(out of GPU memory?)")
             if not ctx.set_optimization_profile_async(index, self.cuda.stream_handle):
                 raise EngineError(f"TensorRT cannot select optimization profile {index} ({plan.phases[index]}) of "
-                                  f"{plan.entry['file']}")
+                                  f"{plan.entry.file}")
             self.cuda.synchronize()
             plan.contexts[index] = ctx
         return ctx
@@ -663,7 +666,7 @@ class TensorRTEngine:
                     "--max-prompt/--max-context/--max-batch")
             plan, index = chosen
             ctx = self._context(plan, index)
-            where = f"{plan.entry['file']} (optimization profile {index}, {plan.phases[index]})"
+            where = f"{plan.entry.file} (optimization profile {index}, {plan.phases[index]})"
             cache, mirror = self._mirror(plan, feeds)
             if mirror is not None:
                 mirror.sync(cache, feeds, self._latest)
