@@ -26,7 +26,7 @@ Where a request's columns go (:class:`TokenPool`) depends on what the engine's a
 costs:
 
 * **regions** — int8-compute lade builds (``AttentionRows`` reading the cache in place and
-  skipping every 16-key block a row cannot see; :func:`attention_skips`): each request
+  skipping every 16-key block a row cannot see; ``Engine.attention_skips``): each request
   gets at admission one contiguous region of prompt + max_new_tokens columns (first fit),
   fills it in order and frees it whole when it leaves (nothing moves). The mask over the
   pool has one run of True per request, so each row's attention costs the blocks of its
@@ -139,21 +139,6 @@ def item_outputs(outputs: dict, item: PackedItem) -> dict:
     return out
 
 
-def attention_skips(engine) -> int:
-    """Key-block width (16) when ``engine``'s attention costs only the key blocks a row sees
-    (a graph whose ``AttentionRows`` read the cache in place and skip fully masked blocks of
-    16 columns: ONNX model metadata ``attention_skips_masked``, written by
-    :func:`lade_export.quantize.quantize_step_graph`), else 0 (its attention spans every
-    column of the pool: ONNX Runtime's ``GroupQueryAttention``, the standard operators,
-    ``AttentionRows`` of artifacts built before)."""
-    session = getattr(engine, "session", None)
-    try:
-        value = session.get_modelmeta().custom_metadata_map.get("attention_skips_masked", "0")
-        return int(value)
-    except (AttributeError, ValueError):
-        return 0
-
-
 class TokenPool:
     """The KV cache of every request of a scheduler: one buffer set, columns owned per request.
 
@@ -168,7 +153,7 @@ class TokenPool:
       first fit among the free ranges, else after the last region; its tokens fill the
       region in order and :meth:`release` frees it without moving anything. The mask over
       the pool then has one run of True per request, so an attention that skips fully
-      masked key blocks (:func:`attention_skips`) costs each row its own request's blocks
+      masked key blocks (``Engine.attention_skips``) costs each row its own request's blocks
       only: other requests' regions and the unused tail of regions cost nothing. When no
       free range fits below ``limit``, the live regions are moved down (one copy of the live
       columns) and the request goes after them.

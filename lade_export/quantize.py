@@ -604,7 +604,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
             graph.node.insert(position + k, node)
     attentions = exact_attention(graph) if spec.kernels == "lade" and spec.compute == "int8" else 0
     if any(a.name == "past_layout" for n in graph.node if n.op_type == "AttentionRows" for a in n.attribute):
-        # the runtime's fact (lade_export.packed.attention_skips): attention costs the 16-key blocks a row sees
+        # the runtime's fact (OrtEngine.attention_skips): attention costs the 16-key blocks a row sees
         model.metadata_props.append(onnx.StringStringEntryProto(key="attention_skips_masked", value="16"))
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lade_export.errors import GenerationError
-from lade_export.packed import PackedItem, TokenPool, attention_skips, pack
+from lade_export.packed import PackedItem, TokenPool, pack
 from lade_export.specs import ModelDims, present_key_name, present_value_name
 
 DIMS = ModelDims(num_layers=2, heads=2, kv_heads=1, head_dim=4, hidden=8, vocab=11, max_context=64,
@@ -97,25 +97,17 @@ def test_compact_pool_appends_interleaved_and_compacts_on_release():
         pool.commit(_outputs(8, 3), [(2, np.arange(8))], 8)
 
 
-def test_attention_skips_reads_the_engine_graphs_metadata():
-    class Meta:
-        def __init__(self, props):
-            self.custom_metadata_map = props
+def test_attention_skips_is_what_the_engines_graph_says(stories_artifact):
+    """``Engine.attention_skips``: 0 for a graph whose attention spans every pool column
+    (stories260K float32: the standard operators) and for TensorRT engines; the int8 lade
+    graph's 16 is asserted in tests/test_kernels.py."""
+    import lade_export
+    from lade_export.backends.tensorrt import TensorRTEngine
 
-    class Session:
-        def __init__(self, props):
-            self.props = props
-
-        def get_modelmeta(self):
-            return Meta(self.props)
-
-    class Engine:
-        def __init__(self, props):
-            self.session = Session(props)
-
-    assert attention_skips(Engine({"attention_skips_masked": "16", "kv_layout": "sequence-major"})) == 16
-    assert attention_skips(Engine({"kv_layout": "sequence-major"})) == 0
-    assert attention_skips(object()) == 0  # an engine without an ONNX Runtime session (the test double, torch)
+    with lade_export.load(stories_artifact) as model:
+        assert model.engine.attention_skips == 0
+        assert model.engine.session.get_modelmeta().custom_metadata_map.get("attention_skips_masked") is None
+    assert TensorRTEngine.attention_skips == 0
 
 
 def test_regions_commit_of_several_owners_at_once_keeps_each_row_in_its_own_region():

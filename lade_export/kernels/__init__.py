@@ -37,7 +37,7 @@ requests in a packed pass); otherwise the keys of the blocks some row sees are f
 ``[D, 16]`` tiles, one per seen block (a buffer per calling thread of ``B × KV × seen blocks × D ×
 16`` floats, kept for the next call: it follows the columns the pass's requests own, not the
 pool's size). Graphs carrying ``past_layout=1`` say so in their ONNX metadata
-(``attention_skips_masked = 16``, read by :func:`lade_export.packed.attention_skips`).
+(``attention_skips_masked = 16``, read by the ONNX Runtime engine as ``Engine.attention_skips``).
 
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 
