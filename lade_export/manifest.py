@@ -152,12 +152,16 @@ class _Section:
         r.raise_if_any(where)
         return value
 
+    # A section of optional keys only (every field but ``extra`` may be absent, written in
+    # field order when set); sections with required keys or nested sections override both.
     @classmethod
-    def _read(cls, r: _Reader, data: dict, at: str):  # pragma: no cover - every section defines it
-        raise NotImplementedError
+    def _read(cls, r: _Reader, data: dict, at: str):
+        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls) if f.name != "extra"},
+                   extra=_extra(cls, data))
 
-    def to_dict(self) -> dict:  # pragma: no cover - every section defines it
-        raise NotImplementedError
+    def to_dict(self) -> dict:
+        return {**_present(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}),
+                **self.extra}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,15 +568,6 @@ class QuantizedGraph(_Section):
     attention_rows: int | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
-    @classmethod
-    def _read(cls, r, data, at):
-        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls) if f.name != "extra"},
-                   extra=_extra(cls, data))
-
-    def to_dict(self) -> dict:
-        return {**_present(matmuls=self.matmuls, embedding=self.embedding, bytes_before=self.bytes_before,
-                           bytes_after=self.bytes_after, attention_rows=self.attention_rows), **self.extra}
-
 
 @dataclasses.dataclass(frozen=True)
 class Quality(_Section):
@@ -593,15 +588,6 @@ class Quality(_Section):
     top1_agreement: float | None = None
     max_abs_logit_diff: float | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
-
-    @classmethod
-    def _read(cls, r, data, at):
-        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls) if f.name != "extra"},
-                   extra=_extra(cls, data))
-
-    def to_dict(self) -> dict:
-        return {**_present(sequences=self.sequences, positions=self.positions, top1_agreement=self.top1_agreement,
-                           max_abs_logit_diff=self.max_abs_logit_diff), **self.extra}
 
 
 @dataclasses.dataclass(frozen=True)
