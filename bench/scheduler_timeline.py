@@ -31,7 +31,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from serve_batched import chat_prompts, run_level  # noqa: E402
+from serve_load import write_report  # noqa: E402
 
 
 def account(timeline: list, t0: float, t1: float, concurrency: int) -> dict:
@@ -153,9 +153,7 @@ def main(argv=None) -> int:
     scheduler.close()
     model.close()
     report["load_average_after"] = os.getloadavg()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return 0
 
 

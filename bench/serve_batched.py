@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import llama_server_peer  # noqa: E402
-from serve_load import closed_loop, percentile  # noqa: E402
+from serve_load import closed_loop, percentile, write_report  # noqa: E402
 
 CHAT = Path(__file__).resolve().parent / "prompts" / "chat.jsonl"
 
@@ -212,9 +212,7 @@ def main(argv=None) -> int:
         scheduler.close()
     model.close()
     report["load_average_after"] = os.getloadavg()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return 0
 
 

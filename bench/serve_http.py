@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import json
 import os
 import re
 import signal
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_server_peer import DEFAULT_BIN, LlamaServer, chat_stream  # noqa: E402
 from serve_batched import chat_prompts  # noqa: E402
-from serve_load import closed_loop, percentile  # noqa: E402
+from serve_load import closed_loop, percentile, write_report  # noqa: E402
 
 DEFAULT_ARTIFACT = "/work/artifacts/smollm2-lade-int8"
 MODES = ("in-process", "serve", "llama-server", "llama-server-ngram")
@@ -351,9 +350,7 @@ def run(args, argv) -> int:
     if not in_process_texts_stable:
         print("in-process texts differed between runs of the same prompt  <-- NOT EXACT")
     report["serve_exact"] = bool(serve_rows) and all(s["equal_to_in_process"] == s["requests"] for s in serve_rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return 0 if in_process_texts_stable and (report["serve_exact"] or not serve_rows) else 2
 
 

@@ -52,6 +52,13 @@ def percentile(values, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def write_report(report: dict, path) -> None:
+    """Write a benchmark's JSON report to ``path`` (its folder made if missing); None: nothing."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def closed_loop(send, items, concurrency: int, total: int):
     """A closed loop: ``concurrency`` threads, each calling ``send(items[i % len(items)],
     state)`` for the next request index ``i`` until ``total`` requests are done (a new one
@@ -241,9 +248,7 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens, "instances": args.instances, "profile": args.profile or "(model default)",
         "in_process_baseline": baseline, "levels": levels,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     print(render(report))
     return 0
 
