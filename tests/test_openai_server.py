@@ -30,6 +30,7 @@ from lade_export.scheduler import Scheduler
 from lade_export.serving.openai_api import OpenAIServer, ServerConfig, bind
 
 from .conftest import mt_bench_prompts
+from .engine_wrappers import WrappedEngine
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park", "One day, a bird",
            "Tom had a red ball", "The sun was", "Mom said", "There was a big tree"]
@@ -314,17 +315,13 @@ def test_the_api_key_is_required_where_set(stories_model):
         assert r.choices[0].text == ", there was a"
 
 
-class _SlowEngine:
+class _SlowEngine(WrappedEngine):
     """The stories engine, 50 ms slower on every pass, counting them (so a long prompt
     prefilled in small chunks takes many passes before its first token)."""
 
     def __init__(self, engine):
-        self.engine = engine
-        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
+        super().__init__(engine)
         self.passes = 0
-
-    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
-        return getattr(self.engine, name)
 
     def run(self, feeds, with_logits=False):
         time.sleep(0.05)
@@ -540,7 +537,6 @@ from lade_export.serving.openai_api import OpenAIServer, ServerConfig, bind, run
 class Slow:  # the stories engine, 20 ms slower on every pass: 400 plain-decoding tokens take >= 8 s
     def __init__(self, engine):
         self.engine = engine
-        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
     def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
         return getattr(self.engine, name)
     def run(self, feeds, with_logits=False):

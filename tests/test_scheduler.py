@@ -16,6 +16,7 @@ from lade_export.runtime import collect
 from lade_export.sampling import SamplingParams
 from lade_export.scheduler import Scheduler
 
+from .engine_wrappers import WrappedEngine
 from .test_tensorrt_double import V10, art10  # noqa: F401 - a session fixture: stories260K's TensorRT engines (double)
 
 # (prompt case, profile, sampling, stop strings, max_new_tokens): eight requests that differ in every rule.
@@ -140,15 +141,12 @@ def test_a_closed_stream_frees_its_kv_columns_and_the_others_go_on(stories_decod
     assert scheduler.pool.used == 0 and scheduler.active_requests == 0
 
 
-class _FailOn:
+class _FailOn(WrappedEngine):
     """The stories engine, failing every pass that feeds token ``bad``."""
 
     def __init__(self, engine, bad):
-        self.engine, self.bad = engine, bad
-        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
-
-    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
-        return getattr(self.engine, name)
+        super().__init__(engine)
+        self.bad = bad
 
     def run(self, feeds, with_logits=False):
         if np.any(feeds["input_ids"] == self.bad):
@@ -174,15 +172,8 @@ def test_an_engine_failure_fails_only_the_request_that_causes_it(stories_decoder
     assert scheduler.pool.used == 0
 
 
-class _SlowPrefill:
+class _SlowPrefill(WrappedEngine):
     """The stories engine, 50 ms slower on every pass of more than one row (prompt chunks here)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.name, self.dims, self.kv_layout = engine.name, engine.dims, engine.kv_layout
-
-    def __getattr__(self, name):  # the rest of the engine interface (runtime.Engine): the wrapped engine's
-        return getattr(self.engine, name)
 
     def run(self, feeds, with_logits=False):
         if feeds["input_ids"].shape[1] > 1:
