@@ -254,6 +254,23 @@ def test_acceptance_in_hindsight_of_a_trie_a_narrowed_step_did_not_verify():
     assert a.since_widest == a.policy.explore_every  # hindsight is no step of the request's own
 
 
+def _lookahead_runs_without_stops(decoder, reference_greedy, max_new_tokens, **scheduler_options):
+    """Every reference case with the default and paper profiles, all at once through one
+    Scheduler(decoder, **scheduler_options), stop ids off (the oracle ignores EOS); returns
+    the closed scheduler and the results in case × profile order."""
+    stops = decoder.stop_token_ids
+    decoder.stop_token_ids = frozenset()
+    try:
+        scheduler = Scheduler(decoder, **scheduler_options)
+        streams = [scheduler.stream(case["prompt_ids"], max_new_tokens, resolve_profile(p))
+                   for case in reference_greedy["cases"] for p in ("default", "paper")]
+        results = [collect(s) for s in streams]
+        scheduler.close()
+    finally:
+        decoder.stop_token_ids = stops
+    return scheduler, results
+
+
 def test_a_decode_step_is_prepared_once_whatever_its_width(stories_decoder, reference_greedy, monkeypatch):
     """Each lookahead decode step calls ``prepare`` once, in passes where the policy narrows
     it and in passes that defer it (a tight budget); outputs stay the reference's."""
@@ -265,16 +282,8 @@ def test_a_decode_step_is_prepared_once_whatever_its_width(stories_decoder, refe
         return prepare(self, *args, **kwargs)
 
     monkeypatch.setattr(LookaheadState, "prepare", counted)
-    stops = stories_decoder.stop_token_ids
-    stories_decoder.stop_token_ids = frozenset()
-    try:
-        scheduler = Scheduler(stories_decoder, token_budget=16, width_policy=RandomWidths(5))
-        streams = [scheduler.stream(case["prompt_ids"], 96, resolve_profile(p))
-                   for case in reference_greedy["cases"] for p in ("default", "paper")]
-        results = [collect(s) for s in streams]
-        scheduler.close()
-    finally:
-        stories_decoder.stop_token_ids = stops
+    scheduler, results = _lookahead_runs_without_stops(stories_decoder, reference_greedy, 96, token_budget=16,
+                                                       width_policy=RandomWidths(5))
     assert [r.token_ids for r in results] == [c["greedy_ids"][:96] for c in reference_greedy["cases"] for _ in range(2)]
     assert len(calls) == sum(r.stats.steps for r in results) and not any(calls)  # the profile's step, once each
     assert scheduler.width_steps["one-token"] > 0 and scheduler.width_steps["profile"] > 0
@@ -296,16 +305,8 @@ class RandomWidths(AdaptiveWidth):
 def test_greedy_output_does_not_depend_on_the_widths_of_its_steps(stories_decoder, reference_greedy):
     """stories260K: lookahead requests whose every step gets a random width class (one-token,
     candidates, half window, profile) give the reference greedy tokens."""
-    stops = stories_decoder.stop_token_ids
-    stories_decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
-    try:
-        scheduler = Scheduler(stories_decoder, width_policy=RandomWidths(3))
-        streams = [scheduler.stream(case["prompt_ids"], 128, resolve_profile(p))
-                   for case in reference_greedy["cases"] for p in ("default", "paper")]
-        results = [collect(s) for s in streams]
-        scheduler.close()
-    finally:
-        stories_decoder.stop_token_ids = stops
+    scheduler, results = _lookahead_runs_without_stops(stories_decoder, reference_greedy, 128,
+                                                       width_policy=RandomWidths(3))
     assert [r.token_ids for r in results] == [c["greedy_ids"] for c in reference_greedy["cases"] for _ in range(2)]
     assert set(scheduler.width_steps) == {"one-token", "candidates", "half-window", "profile"}
     assert sum(scheduler.width_steps.values()) == sum(r.stats.steps for r in results)
