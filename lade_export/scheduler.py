@@ -478,10 +478,10 @@ class Scheduler:
                     continue
                 if req.t1 is None:
                     req.t1 = time.perf_counter()
-                if req.full is None:  # the profile's step: one prepare per decode step (kept when deferred;
-                    # the adaptive policy cuts narrower classes from it below)
-                    req.full = req.layout = req.state.prepare(req.state.sequence[-1], req.cache_len)
-                    req.width = "profile" if hasattr(req.state, "profile") else "one-token"
+                if req.full is None:  # the profile's step: one prepare per decode step (kept when deferred)
+                    req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
+                req.layout = req.full  # as the pass runs it; the adaptive policy cuts narrower classes below
+                req.width = "profile" if hasattr(req.state, "profile") else "one-token"
             except Exception as err:  # the request's own objects (its cancel event, its state) failed
                 self._fail(req, err)
                 continue
@@ -539,9 +539,8 @@ class Scheduler:
         (:mod:`lade_export.width_policy`); other requests keep theirs. Returns the
         requests still stepping (one whose narrowed ``prepare`` raises fails alone)."""
         for req in steps:  # the depth of each prepared trie (what the acceptance estimate is per)
-            lay = req.layout = req.full
+            lay = req.full
             req.depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if len(lay.trie_tokens) else 0
-            req.width = "profile" if hasattr(req.state, "profile") else "one-token"
             req.menu = ()
         policy = self.width_policy
         if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
