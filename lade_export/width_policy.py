@@ -88,7 +88,8 @@ its window): start every request at its narrowest
 class (greedy requests at a one-token step: batched greedy), then repeatedly widen the
 request whose next class adds the most expected tokens per extra second of the pass,
 while that marginal rate beats the pass's current tokens per second by ``margin`` (5%)
-and the rows fit the token budget. This maximizes the pass's expected tokens per second
+and the rows fit the token budget (rows the curve prices at nothing are taken whenever they fit,
+even for no more expected tokens: a window's rows add n-grams to the pool). This maximizes the pass's expected tokens per second
 (greedily); the start is batched greedy and every move is expected to beat it, so the
 policy does not lose to batched greedy unless its estimates are wrong. At low load a
 request that accepts a lot keeps its profile's width; as passes fill up the marginal rows
@@ -500,10 +501,15 @@ class AdaptiveWidth:
                     opt = menu[j]
                     extra_rows = opt.rows - cur.rows
                     gain = opt.tokens - cur.tokens
-                    if extra_rows <= 0 or gain <= 0 or rows + extra_rows > budget:
+                    if extra_rows <= 0 or gain < 0 or rows + extra_rows > budget:
                         continue
                     extra_cost = self.cost(rows + extra_rows, context) - cost
-                    rate = gain / extra_cost if extra_cost > 0 else math.inf
+                    if extra_cost > 0:
+                        if gain <= 0:
+                            continue
+                        rate = gain / extra_cost
+                    else:  # rows that cost nothing are taken: a window's rows feed the pool for free
+                        rate = math.inf
                     if best is None or rate > best[0]:
                         best = (rate, i, j, extra_rows, gain, extra_cost)
             if best is None or best[0] <= (1 + self.margin) * tokens / cost:

@@ -58,6 +58,14 @@ def test_widening_stays_within_the_token_budget():
     assert policy.choose([_menu(profile_rows=8) for _ in range(3)], context=0, budget=64) == [2, 2, 2]
 
 
+def test_free_window_rows_are_taken_even_when_they_expect_no_more_tokens():
+    # the window classes verify the candidates' trie: on a curve where rows cost nothing the
+    # profile is taken for its window's n-grams; where they cost anything, it is not
+    same = [_menu(candidates_tokens=1.6, profile_tokens=1.6) for _ in range(2)]
+    assert AdaptiveWidth(CostCurve(1.0, 0.0)).choose(same, context=0, budget=64) == [2, 2]
+    assert AdaptiveWidth(CostCurve(1.0, 0.01)).choose(same, context=0, budget=64) == [1, 1]
+
+
 def test_a_request_with_one_option_keeps_it():
     # sampled requests get a one-option menu (their profile's step); its rows are part of the
     # pass's cost: beside a 12-row step (2.5 tokens for 3.6) the neighbour's candidates (+0.6
