@@ -57,7 +57,7 @@ def convert(src: Path, out: Path) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) == 1:
-        from lade_export.model_source import builtin_smollm2_path
+        from lade_export.export.model_source import builtin_smollm2_path
 
         src, out = builtin_smollm2_path(), Path(argv[0])
     elif len(argv) == 2:

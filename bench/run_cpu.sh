@@ -14,7 +14,7 @@
 #    profile was tuned on; 256 new tokens max), in one interleaved run per workload:
 #    float32 greedy and its default profile, int4 greedy and its default profile (ONNX
 #    Runtime's kernels and the lade kernels), int8
-#    greedy (int8 graphs refuse lookahead: see lade_export/quantize.py), transformers
+#    greedy (int8 graphs refuse lookahead: see lade_export/export/quantize.py), transformers
 #    greedy and prompt lookup (from a float32 HF directory), and llama.cpp greedy and
 #    lookahead on the Q4_1 GGUF that ships the model (built by bench/build_llama_cpp.sh,
 #    found through LADE_LLAMA_CPP or ~/.cache/lade-export/llama.cpp/bin).

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     peer_ids = [model.encode(p) for p in prompts] if args.peers else []
     gguf = None
     if args.peers:
-        from lade_export.model_source import builtin_smollm2_path
+        from lade_export.export.model_source import builtin_smollm2_path
         gguf = args.llama_gguf or builtin_smollm2_path()
         report["peers"] = {"gguf": str(gguf), "binary": str(llama_server_peer.DEFAULT_BIN / "llama-server")}
     for c in args.concurrency:

@@ -228,7 +228,7 @@ def run(args, argv) -> int:
             raise RuntimeError(f"{args.llama_server} not found: build it with bench/build_llama_cpp.sh, or leave "
                                "the llama-server modes out (--modes in-process serve)")
         if gguf is None:
-            from lade_export.model_source import builtin_smollm2_path
+            from lade_export.export.model_source import builtin_smollm2_path
 
             gguf = builtin_smollm2_path()
     threads = args.threads or cpus()

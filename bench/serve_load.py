@@ -104,7 +104,7 @@ def closed_loop(send, items, concurrency: int, total: int):
 def machine() -> dict:
     import onnxruntime
 
-    from lade_export.compare import environment
+    from lade_export.evaluation.compare import environment
 
     return {"cpu": environment()["cpu"], "cores": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "platform": platform.platform()}
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     if args.dataset == "stories":
         prompts = STORY_PROMPTS[: args.prompts]
     else:
-        from lade_export.datasets import load_prompts
+        from lade_export.evaluation.datasets import load_prompts
 
         prompts = [p.text for p in load_prompts(args.dataset, limit=args.prompts)]
     load_before = os.getloadavg()

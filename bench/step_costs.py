@@ -43,8 +43,8 @@ def main() -> None:
 
     import lade_export
     from lade_export.artifact import write_text_atomic
-    from lade_export.compare import environment
-    from lade_export.tune import measure_step_costs
+    from lade_export.evaluation.compare import environment
+    from lade_export.evaluation.tune import measure_step_costs
 
     curves = {}
     if args.interleave:
@@ -77,7 +77,7 @@ def main() -> None:
 
 def interleaved_curves(paths, sizes, past: int, repeats: int, threads: int | None = None,
                        cpu_time: bool = False) -> dict:
-    """``{name: [{"step", "seconds", "relative"}]}`` as :func:`lade_export.tune.measure_step_costs`
+    """``{name: [{"step", "seconds", "relative"}]}`` as :func:`lade_export.evaluation.tune.measure_step_costs`
     gives, with the passes of all artifacts and sizes alternating (one warm-up pass each, 20 ms
     of sleep before each pass: an ONNX Runtime session's pool threads spin for a while after a
     run and would slow the next session's pass). ``cpu_time``: seconds of the calling thread's

@@ -64,6 +64,9 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
     """
     from .backends import open_engine
 
+    if backend == "torch":  # the PyTorch reference engine is the export side's: importing it registers it
+        from . import export  # noqa: F401
+
     t0 = time.perf_counter()
     artifact = Artifact(artifact_dir, verify=verify)
     tokenizer = artifact.tokenizer()

@@ -171,11 +171,11 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     """Load a checkpoint, export its decoder step to ONNX, check parity, write DIR
     (int8/int4: a weight-only quantized graph; with --engine tensorrt, one TensorRT engine
     per profile)."""
-    from .build import (build_artifact, default_profile_for, refuse_fused_attention_on_rows_exact,
+    from .export.build import (build_artifact, default_profile_for, refuse_fused_attention_on_rows_exact,
                         refuse_fused_attention_on_tensorrt)
     from .manifest import Manifest
-    from .optimization_profiles import describe_plan, engine_plans
-    from .quantize import ORT_PRECISIONS, QuantSpec
+    from .export.optimization_profiles import describe_plan, engine_plans
+    from .export.quantize import ORT_PRECISIONS, QuantSpec
 
     precision = precision or ("fp16" if engine == "tensorrt" else "fp32")
     if engine == "onnx" and precision not in ORT_PRECISIONS:
@@ -225,7 +225,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
                               version_compatible=version_compatible, hardware_compatible=hardware_compatible)
     if dry_run:
         from .graph import DecoderStep
-        from .model_source import load_model
+        from .export.model_source import load_model
 
         step = DecoderStep(load_model(source).model)
         dims = step.dims
@@ -338,7 +338,7 @@ class _progress:
 @click.option("--force", is_flag=True)
 def export(source, out, force):
     """Export and parity-check the step graph only (a build with the default profile)."""
-    from .build import build_artifact
+    from .export.build import build_artifact
     from .manifest import Manifest
 
     with _interrupt_names_written_build(out):
@@ -354,7 +354,7 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
     if len(given) > 1:
         raise GenerationError(f"give only one of {', '.join(given)}")
     if prompt_from is not None:
-        from .datasets import load_prompts
+        from .evaluation.datasets import load_prompts
 
         name, _, index = prompt_from.rpartition(":")
         if not name or not index.isdigit():
@@ -539,8 +539,8 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     from rich.progress import Progress
     from rich.table import Table
 
-    from .compare import environment, run_compare, summarize, write_outputs
-    from .datasets import load_prompts
+    from .evaluation.compare import environment, run_compare, summarize, write_outputs
+    from .evaluation.datasets import load_prompts
     from .errors import CheckFailedError
     from .sampling import SamplingParams
 
@@ -548,7 +548,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     if out.exists() and not out.is_dir():
         raise GenerationError(f"--out {out} exists and is not a folder; give a folder for the results")
     if any(p.startswith("llama.cpp") for p in peers):  # bad llama.cpp setup fails before any work
-        from .peers import check_gguf, check_peer_names, find_llama_cpp
+        from .evaluation.peers import check_gguf, check_peer_names, find_llama_cpp
 
         check_peer_names(peers, not sampling.greedy)
         find_llama_cpp(llama_cpp)
@@ -562,7 +562,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     counts = [len(load_prompts(d, limit=limit, chat=chat)) for d in datasets]
     peer_set = None
     if peers:
-        from .peers import Peers
+        from .evaluation.peers import Peers
 
         peer_set = Peers(peers, artifact.spec.source.model, llama_cpp, llama_gguf, threads,
                          sampled=not sampling.greedy)
@@ -610,7 +610,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     click.echo(f"wrote {out}/results.jsonl, summary.md, summary.csv"
                + (", speedup.png" if plotted else " (no speedup.png: plotting needs pip install 'lade-export[bench]')")
                + (f" ({len(skipped)} record(s) skipped: they do not fit the context)" if skipped else ""))
-    from .peers import UNCHECKED_PEERS
+    from .evaluation.peers import UNCHECKED_PEERS
 
     bad = [r for r in records if r.exact is False and r.config not in UNCHECKED_PEERS]
     if bad:
@@ -663,10 +663,10 @@ def tune(artifact_dir, dataset, limit, max_new_tokens, skip, grid, candidates, o
     from rich.progress import Progress
 
     from .artifact import write_text_atomic
-    from .compare import environment, fit_prompts
-    from .datasets import load_prompts
-    from .tune import grid_profiles
-    from .tune import tune as run_tune
+    from .evaluation.compare import environment, fit_prompts
+    from .evaluation.datasets import load_prompts
+    from .evaluation.tune import grid_profiles
+    from .evaluation.tune import tune as run_tune
 
     if out.is_dir():
         raise ProfileError(f"--out {out} is a folder; give the path of the profile TOML to write")
@@ -725,7 +725,7 @@ def check(artifact_dir, max_abs, max_rel):
     reference on lookahead-shaped feeds, with Polygraphy's comparator."""
     from rich.table import Table
 
-    from .check import check_artifact
+    from .export.check import check_artifact
     from .errors import CheckFailedError
 
     console = _console()

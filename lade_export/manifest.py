@@ -1,7 +1,7 @@
 """The artifact manifest (``manifest.json``, schema_version 2) as one family of typed dataclasses.
 
 docs/manifest.md documents every key; this module is its code. The build
-(:func:`lade_export.build.build_artifact`) fills a :class:`Manifest` and writes
+(:func:`lade_export.export.build.build_artifact`) fills a :class:`Manifest` and writes
 :meth:`Manifest.to_dict`; :class:`lade_export.artifact.Artifact` reads one with
 :meth:`Manifest.from_dict` (``artifact.spec``), which checks what the runtime needs and
 fills in the defaults of the optional keys. Those defaults are written down here and
@@ -192,7 +192,7 @@ class Source(_Section):
 @dataclasses.dataclass(frozen=True)
 class Rope(_Section):
     """``model.rope``: how the rotary embedding was exported (docs/manifest.md, *model.rope*;
-    written from :class:`lade_export.rope.RopePlan`).
+    written from :class:`lade_export.export.rope.RopePlan`).
 
     Attributes:
         type: transformers' rope type (``default``, ``linear``, ``dynamic``, ``yarn``,
@@ -500,7 +500,7 @@ class EngineEntry(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationSpec(_Section):
-    """``quantization.spec``: how the weights were quantized (:class:`lade_export.quantize.QuantSpec`).
+    """``quantization.spec``: how the weights were quantized (:class:`lade_export.export.quantize.QuantSpec`).
 
     Attributes:
         bits: bits per layer weight (4 or 8).

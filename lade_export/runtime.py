@@ -42,7 +42,7 @@ class Engine(Protocol):
     """What the decoding loop (:class:`Decoder`) and the scheduler
     (:class:`lade_export.scheduler.Scheduler`) need from a backend: ONNX Runtime
     (:class:`~lade_export.backends.onnxruntime.OrtEngine`), PyTorch
-    (:class:`~lade_export.backends.torch.TorchEngine`), TensorRT
+    (:class:`~lade_export.export.torch_engine.TorchEngine`), TensorRT
     (:class:`~lade_export.backends.tensorrt.TensorRTEngine`). Every engine has every
     member below; nothing else is read from an engine.
 
@@ -243,7 +243,7 @@ class Decoder:
         tokenizer: optional (:class:`lade_export.tokenizer.Tokenizer`), to stream text
             and match stop strings.
         lookahead_exact: False for an engine that computes a token differently in one-token
-            and many-token steps (an int8-activation graph, see :mod:`lade_export.quantize`):
+            and many-token steps (an int8-activation graph, see :mod:`lade_export.export.quantize`):
             lookahead requests are then refused instead of being inexact.
 
     State (window, pool, KV cache, text) is created per request, so consecutive and

@@ -27,14 +27,14 @@ def reference_greedy(stories_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def stories_loaded(stories_dir):
-    from lade_export.model_source import load_model
+    from lade_export.export.model_source import load_model
 
     return load_model(str(stories_dir))
 
 
 @pytest.fixture(scope="session")
 def stories_artifact(tmp_path_factory, stories_dir, stories_loaded) -> Path:
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
     from lade_export.profile import resolve_profile
 
     out = tmp_path_factory.mktemp("stories") / "artifact"
@@ -54,14 +54,14 @@ def stories_decoder(stories_artifact):
 
 @pytest.fixture(scope="session")
 def smollm2_loaded():
-    from lade_export.model_source import load_model
+    from lade_export.export.model_source import load_model
 
     return load_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory, smollm2_loaded) -> Path:
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
     from lade_export.profile import resolve_profile
 
     out = tmp_path_factory.mktemp("smollm2") / "artifact"

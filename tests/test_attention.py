@@ -12,7 +12,7 @@ import pytest
 from lade_export.artifact import Artifact
 from lade_export.backends.onnxruntime import OrtEngine
 from lade_export.errors import ProfileError
-from lade_export.graph import PARITY_MAX_ABS
+from lade_export.export.parity import PARITY_MAX_ABS
 from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.runtime import Decoder
 
@@ -24,7 +24,7 @@ PROFILES = [resolve_profile("default"), resolve_profile("small"), LookaheadProfi
 @pytest.fixture(scope="module")
 def both(tmp_path_factory, stories_dir):
     """One tiny checkpoint built twice: ``auto`` (group-query-attention) and ``onnx-ops``."""
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     root = tmp_path_factory.mktemp("attention")
     ckpt = tiny_checkpoint(root / "ckpt", num_hidden_layers=2)
@@ -182,7 +182,7 @@ def test_a_profile_wider_than_the_rotary_table_is_refused(both):
 
 def test_a_head_width_the_kernel_refuses_falls_back_to_standard_operators(stories_artifact):
     """stories260K's heads are 8 wide; ONNX Runtime's GroupQueryAttention needs a multiple of 16."""
-    from lade_export.build import choose_attention
+    from lade_export.export.build import choose_attention
 
     art = Artifact(stories_artifact)
     assert (art.attention, art.kv_layout) == ("onnx-ops", "sequence-major")

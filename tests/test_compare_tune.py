@@ -173,7 +173,7 @@ def test_tune_api_names_a_prompt_that_does_not_fit(stories_decoder):
     import pytest
 
     from lade_export.errors import GenerationError
-    from lade_export.tune import grid_profiles, tune
+    from lade_export.evaluation.tune import grid_profiles, tune
 
     with pytest.raises(GenerationError, match=r"^tuning prompt 1 does not fit the context: prompt \(512 tokens\) \+ "
                                               r"max_new_tokens \(1\) = 513 exceeds the model's context of 512 tokens$"):
@@ -181,7 +181,7 @@ def test_tune_api_names_a_prompt_that_does_not_fit(stories_decoder):
 
 
 def test_jsonl_dataset_with_a_byte_order_mark_reads_like_without(tmp_path):
-    from lade_export.datasets import load_prompts
+    from lade_export.evaluation.datasets import load_prompts
 
     plain = _with_long_records(tmp_path, "plain.jsonl")
     marked = _with_long_records(tmp_path, "marked.jsonl", bom=True)

@@ -8,8 +8,8 @@ import torch
 
 from lade_export.artifact import Artifact
 from lade_export.backends.onnxruntime import OrtEngine
-from lade_export.build import build_artifact
-from lade_export.graph import PARITY_MAX_ABS
+from lade_export.export.build import build_artifact
+from lade_export.export.parity import PARITY_MAX_ABS
 from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.runtime import Decoder
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from lade_export.cli import main
-from lade_export.datasets import load_prompts
+from lade_export.evaluation.datasets import load_prompts
 from lade_export.errors import GenerationError
 from lade_export.profile import bundled_profile_names, bundled_profiles_dir
 

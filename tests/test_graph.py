@@ -4,7 +4,8 @@ import numpy as np
 import onnx
 import pytest
 
-from lade_export.graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity
+from lade_export.export.parity import PARITY_MAX_ABS, PARITY_MAX_REL, check_parity
+from lade_export.graph import DecoderStep
 from lade_export.profile import LookaheadProfile, resolve_profile
 
 from .conftest import mt_bench_prompts
@@ -95,7 +96,7 @@ def test_sibling_matmul_fusion_keeps_every_output():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from lade_export.fusion import fuse_sibling_matmuls
+    from lade_export.export.fusion import fuse_sibling_matmuls
 
     rng = np.random.default_rng(0)
     weights = {"wq": rng.standard_normal((8, 8)), "wk": rng.standard_normal((8, 4)), "wv": rng.standard_normal((8, 4)),

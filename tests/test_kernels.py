@@ -22,7 +22,7 @@ from lade_export.cli import main
 from lade_export.errors import ArtifactError, ProfileError
 from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, library_paths
 from lade_export.profile import resolve_profile
-from lade_export.quantize import QuantSpec, dequantize_block_lanes, pack_block_lanes
+from lade_export.export.quantize import QuantSpec, dequantize_block_lanes, pack_block_lanes
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ import numpy as np
 from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[2])
 from test_kernels import _session, _q4_1_grid, _q8_0_grid
-from lade_export.quantize import pack_block_lanes, dequantize_block_lanes
+from lade_export.export.quantize import pack_block_lanes, dequantize_block_lanes
 rng = np.random.default_rng(3)
 worst, independent, digest = 0.0, True, hashlib.sha256()
 for bits, k, n in ((4, 64, 344), (4, 576, 200), (8, 128, 96), (8, 64, 50)):
@@ -129,7 +129,7 @@ from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[2])
 from test_kernels import _session, _q4_1_grid, _q8_0_grid
 from lade_export.kernels import running_path
-from lade_export.quantize import pack_block_lanes, dequantize_block_lanes
+from lade_export.export.quantize import pack_block_lanes, dequantize_block_lanes
 rng = np.random.default_rng(5)
 worst, independent, digests = 0.0, True, {}
 for threads in (1, 2):
@@ -223,7 +223,7 @@ def test_gather_block_q_returns_table_rows_and_names_bad_input(library):
 
 @pytest.fixture(scope="module")
 def stories_lade(tmp_path_factory, stories_dir, stories_loaded):
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     out = tmp_path_factory.mktemp("lade") / "art"
     build_artifact(str(stories_dir), [resolve_profile("default-int4"), resolve_profile("default")], out,
@@ -575,7 +575,7 @@ print(json.dumps({"path": running_path(model.artifact.custom_ops_path, "int8"), 
 
 @pytest.fixture(scope="module")
 def tiny_lade(tmp_path_factory):
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     from .conftest import tiny_checkpoint
 
@@ -634,7 +634,7 @@ def test_threads_share_a_lade_engine(stories_lade):
 def test_int8_with_float32_compute_lade_kernels_is_exact_and_looks_ahead(tmp_path, stories_dir, stories_loaded):
     import onnx
 
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     out = tmp_path / "int8"
     m = build_artifact(str(stories_dir), [resolve_profile("default-int4")], out, loaded=stories_loaded,

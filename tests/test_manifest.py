@@ -30,7 +30,7 @@ def test_top_level_model_and_graph_keys_are_documented(stories_artifact):
 
 def test_engine_entry_keys_are_documented():
     from lade_export.specs import ModelDims
-    from lade_export.optimization_profiles import engine_plans
+    from lade_export.export.optimization_profiles import engine_plans
     from lade_export.profile import resolve_profile
 
     plan = engine_plans([resolve_profile("small")], ModelDims(2, 2, 1, 4, 8, 16, 64, False))[0]
@@ -124,7 +124,7 @@ def test_a_built_manifest_round_trips_key_for_key(stories_artifact):
 
 def test_quantization_and_engine_sections_round_trip(stories_artifact):
     from lade_export.manifest import Manifest
-    from lade_export.optimization_profiles import engine_plans
+    from lade_export.export.optimization_profiles import engine_plans
     from lade_export.profile import resolve_profile
 
     data = _on_disk(stories_artifact)

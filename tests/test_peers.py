@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lade_export import peers
+from lade_export.evaluation import peers
 from lade_export.cli import main
 from lade_export.errors import EngineError
 
@@ -22,7 +22,7 @@ DATA = Path(__file__).resolve().parent / "data" / "llama_cpp"
 
 
 def test_gguf_source_runs_from_a_float32_hf_cache_made_once(tmp_path, stories_dir, reference_greedy, monkeypatch):
-    from lade_export import model_source
+    from lade_export.export import model_source
 
     monkeypatch.setenv("LADE_CACHE", str(tmp_path / "cache"))
     gguf = stories_dir / "llama2c" / "stories260K.gguf"
@@ -161,7 +161,7 @@ def test_gguf_to_f32_keeps_metadata_and_dequantized_weights(tmp_path):
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    from lade_export.model_source import builtin_smollm2_path
+    from lade_export.export.model_source import builtin_smollm2_path
 
     spec = importlib.util.spec_from_file_location("gguf_to_f32", Path(__file__).parent.parent / "bench" / "gguf_to_f32.py")
     script = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ import lade_export
 from lade_export.cli import main
 from lade_export.errors import ProfileError
 from lade_export.profile import resolve_profile
-from lade_export.quantize import QuantSpec, block_quant
+from lade_export.export.quantize import QuantSpec, block_quant
 
 
 def _dequantize(q, bits, block):
@@ -63,7 +63,7 @@ def test_absmax_recovers_a_q8_0_grid_exactly():
 
 @pytest.fixture(scope="module")
 def stories_int4(tmp_path_factory, stories_dir, stories_loaded):
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     out = tmp_path_factory.mktemp("int4") / "art"
     build_artifact(str(stories_dir), [resolve_profile("default-int4"), resolve_profile("default")], out,
@@ -107,7 +107,7 @@ def assert_lookahead_equals_greedy(artifact, reference_greedy):
 
 
 def test_int8_builds_decode_without_lookahead_and_refuse_it(tmp_path, stories_dir, stories_loaded):
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     refused = CliRunner().invoke(main, ["build", "--model", str(stories_dir), "--precision", "int8", "--profile",
                                         "default", "--out", str(tmp_path / "x")])
@@ -133,7 +133,7 @@ def test_smollm2_int4_engine_computes_with_the_models_own_weights(tmp_path, smol
     the int4 graph holds those exact weights — with the lade kernels the 8-bit head too — so
     with float32 compute it agrees with the float32 graph (teacher-forced on MT-Bench answers)
     to float32 noise, and lookahead stays exact on it."""
-    from lade_export.build import build_artifact
+    from lade_export.export.build import build_artifact
 
     out = tmp_path / "smol4"
     manifest = build_artifact("smollm2-135m-instruct", [resolve_profile("default-int4")], out, loaded=smollm2_loaded,

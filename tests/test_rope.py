@@ -12,12 +12,12 @@ from click.testing import CliRunner
 
 from lade_export.artifact import Artifact
 from lade_export.backends.onnxruntime import OrtEngine
-from lade_export.build import build_artifact
+from lade_export.export.build import build_artifact
 from lade_export.errors import GenerationError, ModelSourceError
 from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
-from lade_export.graph import PARITY_MAX_ABS
+from lade_export.export.parity import PARITY_MAX_ABS
 from lade_export.profile import LookaheadProfile, resolve_profile
-from lade_export.rope import RopePlan, plan_rope, reference_lengths
+from lade_export.export.rope import RopePlan, plan_rope, reference_lengths
 from lade_export.runtime import Decoder
 from lade_export.specs import past_key_name, past_value_name, present_key_name, present_value_name
 

@@ -119,7 +119,7 @@ def test_consecutive_generations_on_one_decoder_equal_fresh_runs(stories_artifac
 
 
 def test_torch_backend_gives_the_same_tokens(stories_loaded, reference_greedy):
-    from lade_export.backends.torch import TorchEngine
+    from lade_export.export.torch_engine import TorchEngine
     from lade_export.runtime import Decoder
 
     decoder = Decoder(TorchEngine(stories_loaded.model), [], 512)

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The run-time modules the README's pipeline table names (artifact, n-grams, algorithm,
 #: decode, text, API, batching, serving, engines) plus the benchmarks that decode from an
-#: artifact on the base install (compare, tune and their peers). The torch engine
-#: (``backends/torch.py``) is the export side's PyTorch reference and is not one of them.
+#: artifact on the base install (compare, tune and their peers), and the CLI (it parses and
+#: imports a command's modules when the command runs). The torch engine
+#: (``export/torch_engine.py``) is the export side's PyTorch reference and is not one of them.
 RUNTIME_MODULES = (
     "lade_export",
     "lade_export.api",
@@ -42,11 +43,15 @@ RUNTIME_MODULES = (
     "lade_export.backends.cuda",
     "lade_export.backends.tensorrt",
     "lade_export.serving.protocol",
+    "lade_export.serving.local",
+    "lade_export.serving.repository",
     "lade_export.serving.openai_api",
     "lade_export.serving.triton_model",
-    "lade_export.compare",
-    "lade_export.tune",
-    "lade_export.peers",
+    "lade_export.evaluation",
+    "lade_export.evaluation.compare",
+    "lade_export.evaluation.tune",
+    "lade_export.evaluation.peers",
+    "lade_export.cli",
 )
 #: Export-time frameworks no run-time module may import.
 EXPORT_ONLY = ("torch", "transformers", "onnx", "onnxscript")

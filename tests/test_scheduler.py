@@ -491,8 +491,8 @@ def lade_int8_decoder(tmp_path_factory, stories_dir, stories_loaded):
     operator, AttentionRows, which reads the packed pass's block-diagonal mask)."""
     from lade_export.artifact import Artifact
     from lade_export.backends import open_engine
-    from lade_export.build import build_artifact
-    from lade_export.quantize import QuantSpec
+    from lade_export.export.build import build_artifact
+    from lade_export.export.quantize import QuantSpec
     from lade_export.runtime import Decoder
 
     out = tmp_path_factory.mktemp("lade-int8") / "art"

@@ -184,7 +184,7 @@ def test_with_only_the_lean_runtime_a_build_says_it_cannot_build(tmp_path, stori
 
 def test_parser_rejection_and_build_failure_are_one_line(tmp_path, stories_artifact, monkeypatch):
     from lade_export.backends.tensorrt import build_engine
-    from lade_export.optimization_profiles import optimization_profiles
+    from lade_export.export.optimization_profiles import optimization_profiles
 
     state = install(monkeypatch, version=V10)
     shapes = optimization_profiles(resolve_profile("small"), ModelDimsOf(stories_artifact))
@@ -696,7 +696,7 @@ def test_check_fails_naming_the_engine_output_and_case_that_differ(art10, monkey
 
 
 def test_check_names_the_case_that_failed_not_a_later_passing_one():
-    from lade_export.check import compare_runner
+    from lade_export.export.check import compare_runner
 
     ref = [{"logits": np.array([1.0, -1.0])}, {"logits": np.array([100.0, 3.0])}, {"logits": np.array([2.0, 1.0])}]
     # case A fails on the relative bound with a small difference; case B passes with a larger one
@@ -714,7 +714,7 @@ def test_check_names_the_case_that_failed_not_a_later_passing_one():
 
 def test_reduced_precision_takes_float16_or_bfloat16_only(stories_loaded):
     from lade_export.graph import DecoderStep
-    from lade_export.precision import ReducedPrecisionStep
+    from lade_export.export.precision import ReducedPrecisionStep
 
     step = DecoderStep(stories_loaded.model).eval()
     with pytest.raises(ValueError, match="^dtype must be one of float16, bfloat16, got 'int8'$"):

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from lade_export.cli import main
 from lade_export.errors import BackendUnavailableError, ProfileError
 from lade_export.specs import ModelDims
-from lade_export.optimization_profiles import axis_ranges, engine_plans, optimization_profiles
+from lade_export.export.optimization_profiles import axis_ranges, engine_plans, optimization_profiles
 from lade_export.profile import LookaheadProfile, resolve_profile
 
 STORIES = ModelDims(num_layers=5, heads=8, kv_heads=4, head_dim=8, hidden=64, vocab=512, max_context=512,
@@ -123,8 +123,9 @@ def test_tensorrt_runtime_engine_says_what_is_missing(stories_artifact, tmp_path
 def test_sanitized_graph_is_smaller_and_keeps_parity(tmp_path, stories_loaded, stories_artifact, reference_greedy):
     import onnx
 
-    from lade_export.graph import DecoderStep, check_parity, export_onnx
-    from lade_export.sanitize import sanitize_onnx
+    from lade_export.export.parity import check_parity
+    from lade_export.graph import DecoderStep, export_onnx
+    from lade_export.export.sanitize import sanitize_onnx
 
     step = DecoderStep(stories_loaded.model).eval()
     raw = export_onnx(step, tmp_path / "raw.onnx", slim=False)

@@ -47,18 +47,32 @@ def open_engine(artifact, backend: str, threads=None, device="cpu", dtype="float
 
         return OrtEngine(artifact.onnx_path, artifact.dims, threads=threads, provider="cuda" if device == "cuda" else "cpu",
                          custom_ops=artifact.custom_ops_path)
-    if backend == "torch":
-        precision = artifact.spec.graph.precision
-        if precision in ("int4", "int8"):
-            raise GenerationError(f"--backend torch runs the float32 checkpoint ({artifact.spec.source.model}), "
-                                  f"not this artifact's {precision} weights; use --backend ort")
-        import torch
+    if backend == "tensorrt":
+        from .tensorrt import TensorRTEngine
 
-        from .torch import TorchEngine
-        from ..model_source import load_model
+        return TensorRTEngine(artifact, device=device if device.startswith("cuda") else "cuda")
+    opener = _EXPORT_SIDE.get(backend)
+    if opener is None:
+        raise BackendUnavailableError(f"the {backend} backend is the export side's; import lade_export.export "
+                                      "(installed with the export extra) before opening it")
+    return opener(artifact, device=device, dtype=dtype, threads=threads)
 
-        loaded = load_model(artifact.spec.source.model)
-        return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)
-    from .tensorrt import TensorRTEngine
 
-    return TensorRTEngine(artifact, device=device if device.startswith("cuda") else "cuda")
+#: Engines the export side registers (:func:`register_backend`): name → opener.
+_EXPORT_SIDE: dict = {}
+
+
+def register_backend(name: str, opener) -> None:
+    """Make ``open_engine(artifact, name, …)`` call ``opener(artifact, device=, dtype=, threads=)``.
+
+    The run-time engines (ONNX Runtime, TensorRT) are this package's own; the PyTorch
+    reference engine lives on the export side (:mod:`lade_export.export.torch_engine`, it
+    runs :class:`lade_export.graph.DecoderStep`) and registers itself here when
+    :mod:`lade_export.export` is imported, so nothing in this package imports export code.
+
+    Raises:
+        BackendUnavailableError: ``name`` is not one of :data:`BACKENDS` or is a run-time engine.
+    """
+    if name not in BACKENDS or name in ("ort", "tensorrt"):
+        raise BackendUnavailableError(f"cannot register backend {name!r}: the export side provides only 'torch'")
+    _EXPORT_SIDE[name] = opener

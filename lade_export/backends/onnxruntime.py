@@ -48,7 +48,7 @@ class OrtEngine:
             past the context (model metadata ``step_room``); None for other graphs.
         attention_skips: 16 when the graph's ``AttentionRows`` skip fully masked blocks of
             16 keys (model metadata ``attention_skips_masked``, written by
-            :func:`lade_export.quantize.quantize_step_graph`), else 0.
+            :func:`lade_export.export.quantize.quantize_step_graph`), else 0.
         device_memory: where a device-resident cache lives (a
             :class:`~lade_export.backends.cuda.CudaDevice`, or
             :class:`~lade_export.backends.cuda.HostMemory` on the CPU), None when off.

@@ -7,7 +7,7 @@ timing cache, ``IProgressMonitor``). They differ in how precision is chosen
 (:func:`precision_plan`): TensorRT 10 builds a weakly typed network from the float32
 graph and lets the builder pick fp16/bf16 kernels (``BuilderFlag.FP16``/``BF16``);
 TensorRT 11 removed those flags and every network is strongly typed, so the builder gets
-a graph *exported* in the target precision (:mod:`lade_export.precision`) and runs it as
+a graph *exported* in the target precision (:mod:`lade_export.export.precision`) and runs it as
 typed. Both keep the float32 I/O contract of :mod:`lade_export.specs`. Other majors are
 refused with one line.
 
@@ -231,7 +231,7 @@ def build_engine(onnx_path: str | Path, opt_profiles: dict, precision: str = "fp
             (:func:`precision_plan`'s ``graph_dtype`` for the installed TensorRT).
         opt_profiles: ``{"prefill": {input: {"min","opt","max"}}, "decode": {...},
             "packed": {...}}`` from
-            :func:`lade_export.optimization_profiles.optimization_profiles`; added in that
+            :func:`lade_export.export.optimization_profiles.optimization_profiles`; added in that
             order, so optimization profile 0 is prefill, 1 decode and 2 packed (when given).
         precision: ``fp32``, ``fp16`` or ``bf16``.
         timing_cache: path read before and written after the build (shared across builds).
@@ -369,7 +369,7 @@ class TensorRTEngine:
     Every step goes to the engine and optimization profile that cover its shapes: an
     empty cache tries the prefill profile (0) first, a step with a cache the decode
     profile (1), then the packed profile (2, the scheduler's passes, in engines built
-    with it: :mod:`lade_export.optimization_profiles`). Which engine is a request's:
+    with it: :mod:`lade_export.export.optimization_profiles`). Which engine is a request's:
     :meth:`check_profile` returns, for a lookahead profile, the name of the engine whose
     decode profile covers its largest step with the fewest tokens to spare (its plan),
     and the request passes that name with each of its steps (``run(..., plan=name)``):

@@ -1,6 +1,6 @@
 // Block-quantized weight kernels for ONNX Runtime's CPU provider, as a custom-op library
 // (ONNX Runtime "Custom operators": a library exporting RegisterCustomOps). Domain
-// "lade_export", version 1; the Python side (layout, packing) is lade_export/quantize.py's
+// "lade_export", version 1; the Python side (layout, packing) is lade_export/export/quantize.py's
 // pack_block_lanes, the build side lade_export/kernels/__init__.py.
 //
 //   MatMulBlockQ(X float[..., K], Q uint8[N/16, K/32, 64·bits], D float16[N/16, K/32, 16],
@@ -889,7 +889,7 @@ struct GatherKernel {
 };
 
 // Attention whose every query row is computed the same whatever else the step holds (int8-compute
-// graphs; lade_export.quantize swaps it in for the onnx-ops attention subgraph):
+// graphs; lade_export.export.quantize swaps it in for the onnx-ops attention subgraph):
 //   AttentionRows(Q float[B, KV, G·S, D], PK, K float[B, KV, D, S], PV, V float[B, KV, S, D],
 //                 masked bool[B, 1, 1, S, P+S]) -> [B, KV, G·S, D]
 //   attributes scale, past_layout (absent or 0: PK [B, KV, D, P] and PV [B, KV, P, D], the graph's

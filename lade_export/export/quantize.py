@@ -1,7 +1,7 @@
 """Weight-only quantized step graphs for ONNX Runtime (``build --precision int4|int8``).
 
 Every MatMul of the transformer layers (attention and MLP projections; query/key/value
-and gate/up arrive fused, one MatMul each, from :mod:`lade_export.fusion`) becomes ONNX
+and gate/up arrive fused, one MatMul each, from :mod:`lade_export.export.fusion`) becomes ONNX
 Runtime's ``MatMulNBits`` (com.microsoft contrib op; ONNX Runtime ContribOperators.md):
 4 or 8 bits per weight, one float32 scale per block of ``block_size`` weights along the
 input dimension, ``accuracy_level`` choosing the kernel's compute type.
@@ -89,8 +89,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ProfileError
-from .kernels import COMPUTE, KERNELS
+from ..errors import ProfileError
+from ..kernels import COMPUTE, KERNELS
 from .sanitize import drop_unused_initializers
 
 #: ``--precision`` values for ONNX Runtime, and the bits each means.
@@ -361,7 +361,7 @@ def _matmul_block_q(graph, node, weight: np.ndarray, bits: int, scheme: str, com
     made before the integer path have it)."""
     from onnx import helper, numpy_helper
 
-    from .kernels import DOMAIN
+    from ..kernels import DOMAIN
 
     packed = pack_block_lanes(weight, bits, scheme)
     base = node.input[1]
@@ -390,7 +390,7 @@ def _block_q_embedding(graph, embed: np.ndarray, head, gather, spec: QuantSpec) 
     table of its own (added to ``graph``). Returns ``(nodes, description)``."""
     from onnx import helper, numpy_helper
 
-    from .kernels import DOMAIN
+    from ..kernels import DOMAIN
 
     if head is not None:
         tables, embedding = list(head.input[1:4]), "shared with the LM head"
@@ -465,7 +465,7 @@ def exact_attention(graph) -> int:
     """
     from onnx import helper, numpy_helper
 
-    from .kernels import DOMAIN
+    from ..kernels import DOMAIN
 
     producers = {o: n for n in graph.node for o in n.output}
     consumers = {}
@@ -631,7 +631,7 @@ def quality_report(reference_engine, quantized_engine, sequences: list[tuple[lis
         ``{"positions", "top1_agreement" (fraction of positions whose argmax agrees),
         "max_abs_logit_diff", "sequences"}``.
     """
-    from .feeds import causal_feeds, empty_past_feeds, run_sequence_major
+    from ..feeds import causal_feeds, empty_past_feeds, run_sequence_major
 
     agree = total = 0
     worst = 0.0

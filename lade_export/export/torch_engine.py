@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, GenerationError
 from ..graph import DecoderStep
 from ..specs import past_key_name, past_value_name, present_key_name, present_value_name
 
@@ -77,3 +77,28 @@ class TorchEngine:
 
     def close(self) -> None:
         self.step_module = None
+
+
+def open_torch_engine(artifact, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> TorchEngine:
+    """The ``torch`` backend of :func:`lade_export.backends.open_engine`: loads the checkpoint
+    the artifact's manifest names (``source.model``) and runs its step module.
+
+    Args:
+        artifact: an opened :class:`lade_export.artifact.Artifact`.
+        device: ``"cpu"`` or ``"cuda"``/``"cuda:N"``.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        threads: ``torch.set_num_threads`` value (None leaves it).
+
+    Raises:
+        GenerationError: an int4/int8 artifact (this engine would run the float32 checkpoint).
+        ModelSourceError: the recorded checkpoint cannot be loaded.
+        BackendUnavailableError: ``device="cuda"`` without a CUDA device.
+    """
+    precision = artifact.spec.graph.precision
+    if precision in ("int4", "int8"):
+        raise GenerationError(f"--backend torch runs the float32 checkpoint ({artifact.spec.source.model}), "
+                              f"not this artifact's {precision} weights; use --backend ort")
+    from .model_source import load_model
+
+    loaded = load_model(artifact.spec.source.model)
+    return TorchEngine(loaded.model, device=device, dtype=getattr(torch, dtype), threads=threads)

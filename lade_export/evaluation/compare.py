@@ -1,5 +1,5 @@
 """Side-by-side comparison runs: plain greedy, lookahead profiles and optional peers
-(transformers, llama.cpp; see :mod:`lade_export.peers`) on the same prompts, interleaved
+(transformers, llama.cpp; see :mod:`lade_export.evaluation.peers`) on the same prompts, interleaved
 prompt by prompt.
 
 Interleaving means machine drift (thermal, other load) hits every configuration alike.
@@ -96,12 +96,12 @@ def fit_prompts(decoder, tokenizer, prompts, chat: bool) -> tuple[list, list]:
     Args:
         decoder: the :class:`lade_export.runtime.Decoder` that will run them.
         tokenizer: its tokenizer; ``chat`` wraps prompts in the chat template.
-        prompts: :class:`lade_export.datasets.Prompt` objects.
+        prompts: :class:`lade_export.evaluation.datasets.Prompt` objects.
 
     Returns:
         ``(kept, skipped)``: ``[(prompt, token_ids)]`` in order, and :class:`SkippedRecord` objects.
     """
-    from .errors import GenerationError
+    from ..errors import GenerationError
 
     kept, skipped = [], []
     for prompt in prompts:
@@ -187,7 +187,7 @@ def environment() -> dict:
         pass
     import os
 
-    from . import __version__
+    from .. import __version__
 
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": installed("torch"), "onnxruntime": installed("onnxruntime"),
@@ -202,7 +202,7 @@ def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: d
     """
     from importlib.util import find_spec
 
-    from .artifact import write_text_atomic
+    from ..artifact import write_text_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "results.jsonl", "".join(json.dumps(r.as_json()) + "\n" for r in records))
@@ -299,10 +299,10 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
     Args:
         decoder: a :class:`lade_export.runtime.Decoder` on the engine under test.
         tokenizer: its tokenizer; ``chat`` wraps prompts in the chat template.
-        datasets: names or JSONL paths (see :func:`lade_export.datasets.load_prompts`).
+        datasets: names or JSONL paths (see :func:`lade_export.evaluation.datasets.load_prompts`).
         profiles: lookahead profiles.
         limit: prompts per dataset; max_new_tokens: per generation.
-        peers: a :class:`lade_export.peers.Peers` (set up by the caller), or None.
+        peers: a :class:`lade_export.evaluation.peers.Peers` (set up by the caller), or None.
         progress: optional ``callable(advance_by)``.
         sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
             greedy); prompt ``i`` of the run samples with seed ``sampling.seed + i``.

@@ -56,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import EngineError, PeerError
+from ..errors import EngineError, PeerError
 
 TRANSFORMERS_PEERS = ("transformers-greedy", "transformers-prompt-lookup")
 LLAMA_CPP_PEERS = ("llama.cpp-greedy", "llama.cpp-lookahead")
@@ -132,14 +132,14 @@ def fp32_hf_dir(gguf: Path, cache: Path | None = None) -> Path:
     """A Hugging Face directory holding ``gguf``'s weights in float32, made once.
 
     The GGUF is loaded with transformers' GGUF loader (dequantized to float32, see
-    :mod:`lade_export.model_source`) and written with ``save_pretrained`` (model, generation
+    :mod:`lade_export.export.model_source`) and written with ``save_pretrained`` (model, generation
     config, tokenizer) into ``cache/hf-fp32/<sha256 of the GGUF>``, through a temporary
     sibling renamed into place; later calls reuse it.
 
     Raises:
         ModelSourceError: the GGUF cannot be loaded.
     """
-    from .model_source import load_model
+    from ..export.model_source import load_model
 
     gguf = Path(gguf)
     target = (cache or cache_root()) / "hf-fp32" / file_sha256(gguf)
@@ -183,7 +183,7 @@ def load_transformers_peer(source: str):
     Raises:
         ModelSourceError: the source cannot be resolved or loaded.
     """
-    from .model_source import classify_source, load_model
+    from ..export.model_source import classify_source, load_model
 
     kind, location = classify_source(source)
     if kind in ("builtin", "gguf"):
@@ -542,7 +542,7 @@ class Peers:
         if any(n in LLAMA_CPP_PEERS for n in self.names):
             folder = find_llama_cpp(llama_cpp)
             if llama_gguf is None:
-                from .model_source import builtin_smollm2_path
+                from ..export.model_source import builtin_smollm2_path
 
                 try:
                     llama_gguf = builtin_smollm2_path()

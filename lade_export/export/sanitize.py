@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import BackendUnavailableError
+from ..errors import BackendUnavailableError
 
 
 def drop_unused_initializers(graph) -> int:

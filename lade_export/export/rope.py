@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import ModelSourceError
+from ..errors import ModelSourceError
 
 #: Rope types whose inverse frequencies do not depend on the call (exact at every position).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
@@ -165,7 +165,7 @@ def reference_lengths(plan: RopePlan, base_tokens: int, limit: int = REFERENCE_M
 
     Each length ``L`` is one transformers call on ``L`` tokens, against the graph's
     prefill of them and its decode step at position ``L − 1``
-    (:func:`lade_export.graph.check_against_transformers`). The set holds
+    (:func:`lade_export.export.parity.check_against_transformers`). The set holds
     ``base_tokens`` (the parity prompt), ``t − 1``, ``t`` and ``t + 1`` for every
     threshold ``t`` (calls and decode steps on both sides of it), the whole declared
     context when it is at most ``limit`` tokens, and :data:`REFERENCE_PLAIN_TOKENS`

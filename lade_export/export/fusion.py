@@ -11,7 +11,7 @@ of the larger kernel; the graph has fewer, larger kernels.
 
 On SmolLM2-135M with ONNX Runtime on 2 CPU cores the fused graph runs a lookahead-sized
 step faster (8 tokens at 256 cached: about 34 instead of 39 ms float32); the quantized
-graphs (:mod:`lade_export.quantize`) then also have one ``MatMulNBits`` and one
+graphs (:mod:`lade_export.export.quantize`) then also have one ``MatMulNBits`` and one
 zero-point residual term per fused projection instead of one per weight.
 """
 

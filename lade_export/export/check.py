@@ -23,8 +23,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .artifact import Artifact, checksum_errors  # noqa: F401  (checksum_errors: part of this module's API)
-from .graph import PARITY_MAX_ABS, PARITY_MAX_REL
+from ..artifact import Artifact, checksum_errors  # noqa: F401  (checksum_errors: part of this module's API)
+from .parity import PARITY_MAX_ABS, PARITY_MAX_REL
 
 
 @dataclasses.dataclass
@@ -101,7 +101,7 @@ def _runner(name: str, run, input_specs, output_names):
 
 def _torch_runner(step_module, input_specs, output_names):
     """Polygraphy runner for the PyTorch reference step on the CPU."""
-    from .graph import run_torch_step
+    from ..graph import run_torch_step
 
     return _runner("pytorch", lambda feeds: run_torch_step(step_module, feeds), input_specs, output_names)
 
@@ -150,9 +150,10 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
 
-    from .backends.tensorrt import tensorrt_unavailable_reason
+    from ..backends.tensorrt import tensorrt_unavailable_reason
     from .build import parity_prompt_ids
-    from .graph import DecoderStep, reference_cases
+    from ..graph import DecoderStep
+    from .parity import reference_cases
     from .model_source import load_model
 
     from polygraphy.logger import G_LOGGER
@@ -180,9 +181,9 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     if artifact.kv_layout == "sequence-major" and artifact.custom_ops_path is None:
         ort_runner = OnnxrtRunner(SessionFromOnnx(str(artifact.onnx_path)), name="onnxruntime")
     else:  # a shared cache buffer per tensor (fed through the layout converter), or custom ops
-        from .backends.onnxruntime import OrtEngine
-        from .feeds import run_sequence_major
-        from .specs import step_io_specs
+        from ..backends.onnxruntime import OrtEngine
+        from ..feeds import run_sequence_major
+        from ..specs import step_io_specs
 
         d = artifact.dims
         input_specs = [t.as_dict() for t in step_io_specs(d.num_layers, d.kv_heads, d.head_dim, d.vocab)[0]]
@@ -219,7 +220,7 @@ def _check_engines(artifact, engines, feeds, labels, reference, input_specs, out
     optimization profiles cover (each in the profile that covers it)."""
     from polygraphy.comparator import Comparator
 
-    from .backends.tensorrt import PRECISION_BOUNDS, TensorRTEngine
+    from ..backends.tensorrt import PRECISION_BOUNDS, TensorRTEngine
 
     errors = []
     for entry in engines:

@@ -9,16 +9,17 @@ import platform
 import time
 from pathlib import Path
 
-from . import __version__
-from .artifact import atomic_directory, file_entries, write_json_atomic
-from .backends.onnxruntime import OrtEngine
-from .errors import CheckFailedError
-from .graph import PARITY_MAX_ABS, PARITY_MAX_REL, DecoderStep, check_parity, export_onnx
-from .kernels import LIBRARY
-from .manifest import (EngineEntry, FileEntry, GraphInfo, Manifest, ModelInfo, Parity, Quantization, Rope, Source,
+from .. import __version__
+from ..artifact import atomic_directory, file_entries, write_json_atomic
+from ..backends.onnxruntime import OrtEngine
+from ..errors import CheckFailedError
+from ..graph import DecoderStep, export_onnx
+from .parity import PARITY_MAX_ABS, PARITY_MAX_REL, check_parity
+from ..kernels import LIBRARY
+from ..manifest import (EngineEntry, FileEntry, GraphInfo, Manifest, ModelInfo, Parity, Quantization, Rope, Source,
                        TokenizerInfo)
 from .model_source import load_model
-from .specs import step_io_specs
+from ..specs import step_io_specs
 
 PARITY_PROMPT = "Once upon a time, a curious engineer wanted to make a small language model decode faster."
 #: Text that extends the parity prompt to the lengths of the transformers parity check (repeated as needed).
@@ -85,8 +86,8 @@ def save_tokenizer(hf_tokenizer, folder: Path) -> dict:
         ModelSourceError: the checkpoint has only a slow (Python) tokenizer.
         CheckFailedError: the runtime tokenizer's ids differ from transformers' (naming the sample).
     """
-    from .errors import ModelSourceError
-    from .tokenizer import Tokenizer
+    from ..errors import ModelSourceError
+    from ..tokenizer import Tokenizer
 
     hf_tokenizer.save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():
@@ -110,7 +111,7 @@ def save_tokenizer(hf_tokenizer, folder: Path) -> dict:
 
 def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[int], threads=None, engine=None) -> dict:
     """Compare the graph with transformers' model at the lengths of
-    :func:`lade_export.rope.reference_lengths` (both sides of every rope threshold).
+    :func:`lade_export.export.rope.reference_lengths` (both sides of every rope threshold).
 
     Returns:
         the manifest's ``parity.transformers`` section.
@@ -121,7 +122,7 @@ def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[in
     """
     import transformers
 
-    from .graph import check_against_transformers
+    from .parity import check_against_transformers
     from .rope import reference_lengths
 
     lengths = reference_lengths(plan, len(prompt_ids))
@@ -156,7 +157,7 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
     into ``root/engines``, the way the installed TensorRT sets precision
     (:func:`lade_export.backends.tensorrt.precision_plan`): TensorRT 10 parses the float32
     graph and gets fp16/bf16 builder flags; TensorRT 11 parses the step exported in the
-    target precision (:mod:`lade_export.precision`), whose parity against the float32
+    target precision (:mod:`lade_export.export.precision`), whose parity against the float32
     PyTorch step is checked first (float16 under ONNX Runtime; bfloat16 has no ONNX
     Runtime CPU kernels, so ``lade-export check`` is its check).
 
@@ -170,8 +171,8 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
     """
     import tempfile
 
-    from .artifact import sha256_file
-    from .backends.tensorrt import (PRECISION_BOUNDS, build_engine, check_version, import_builder, precision_plan,
+    from ..artifact import sha256_file
+    from ..backends.tensorrt import (PRECISION_BOUNDS, build_engine, check_version, import_builder, precision_plan,
                                     require_tensorrt)
     from .optimization_profiles import engine_plans
     from .sanitize import sanitize_onnx
@@ -244,12 +245,12 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
 
     Returns:
         the manifest's ``quantization`` section: ``spec``, ``graph`` (sizes, op counts),
-        ``quality`` (:func:`lade_export.quantize.quality_report`) and, with the lade kernels,
+        ``quality`` (:func:`lade_export.export.quantize.quality_report`) and, with the lade kernels,
         ``kernels``: ``library``, ``compute``, ``paths`` (those it holds, per compute type) and
         ``path_at_build`` (the one the quality was measured on).
     """
     from .quantize import quality_report, quantize_step_graph
-    from .runtime import Decoder
+    from ..runtime import Decoder
 
     say = say or (lambda m: None)
     fp32 = root / "model.onnx"
@@ -257,7 +258,7 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     staged.parent.mkdir()
     library = None
     if spec.kernels == "lade":
-        from .kernels import compile_library
+        from ..kernels import compile_library
 
         say("compiling the lade kernels")
         library = compile_library(root / LIBRARY)
@@ -276,7 +277,7 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     quantized.close()
     kernels = None
     if library is not None:  # what the library holds, and the path the quality above was measured on
-        from .kernels import library_paths, running_path
+        from ..kernels import library_paths, running_path
 
         kernels = {"library": LIBRARY, "compute": spec.compute,
                    "paths": {c: list(p) for c, p in library_paths(library).items()},
@@ -307,8 +308,8 @@ def default_profile_for(precision: str, kernels: str = "onnxruntime") -> str:
 def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
     """Prompt ids for the quantization quality report: the first MT-Bench questions when the
     datasets are at hand, else the build's parity prompt."""
-    from .datasets import load_prompts
-    from .errors import GenerationError
+    from ..evaluation.datasets import load_prompts
+    from ..errors import GenerationError
 
     try:
         texts = [p.text for p in load_prompts("mt_bench", limit=count, chat=chat)]
@@ -341,7 +342,7 @@ def refuse_fused_attention_on_tensorrt(requested: str, tensorrt: bool) -> None:
     Raises:
         ProfileError: ``requested`` is ``group-query-attention`` and ``tensorrt`` is set.
     """
-    from .errors import ProfileError
+    from ..errors import ProfileError
 
     if requested == "group-query-attention" and tensorrt:
         raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
@@ -354,7 +355,7 @@ def refuse_fused_attention_on_rows_exact(requested: str) -> None:
     Raises:
         ProfileError: ``requested`` is ``group-query-attention``.
     """
-    from .errors import ProfileError
+    from ..errors import ProfileError
 
     if requested == "group-query-attention":
         raise ProfileError("--compute int8 computes attention with the lade kernels (each row over the keys it sees, "
@@ -371,14 +372,14 @@ def choose_attention(requested: str, dims, tensorrt: bool = False, rows_exact: b
     ``onnx-ops`` (standard operators, sequence-major cache; what TensorRT parses).
 
     ``rows_exact`` (int8-compute lade builds, whose attention becomes the kernels'
-    ``AttentionRows``, :func:`lade_export.quantize.exact_attention`) takes ``onnx-ops``.
+    ``AttentionRows``, :func:`lade_export.export.quantize.exact_attention`) takes ``onnx-ops``.
 
     Raises:
         ProfileError: ``group-query-attention`` asked for a TensorRT build, for ``rows_exact``
             or for a head width of the model that ONNX Runtime's kernel refuses; an unknown value.
     """
-    from .errors import ProfileError
-    from .graph import ATTENTION_KINDS
+    from ..errors import ProfileError
+    from ..graph import ATTENTION_KINDS
 
     fits = dims.head_dim % 16 == 0
     if rows_exact:
@@ -400,20 +401,20 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
     """Build an artifact directory (see :mod:`lade_export.artifact`) and return its manifest.
 
     Args:
-        source: ``--model`` value (see :mod:`lade_export.model_source`).
+        source: ``--model`` value (see :mod:`lade_export.export.model_source`).
         profiles: lookahead profiles to record (their shapes bound the engines).
         out: destination directory (written atomically).
         force: replace an existing ``out`` once the new build succeeded.
         status: optional callable ``status(message)`` for progress display; also gets a
             ``note: …`` line when the declared context is capped for the rope variant.
         threads: ONNX Runtime threads for the parity check.
-        loaded: an already loaded :class:`~lade_export.model_source.LoadedModel` for
+        loaded: an already loaded :class:`~lade_export.export.model_source.LoadedModel` for
             ``source`` (skips loading; used by tests and tools that hold the model).
         engine_options: with TensorRT, keyword arguments of
-            :func:`lade_export.optimization_profiles.engine_plans` (precision, max_batch,
+            :func:`lade_export.export.optimization_profiles.engine_plans` (precision, max_batch,
             max_prompt, max_context, version_compatible, hardware_compatible).
         timing_cache: TensorRT timing cache path, reused across builds.
-        quantization: a :class:`lade_export.quantize.QuantSpec` for an int8/int4 ONNX
+        quantization: a :class:`lade_export.export.quantize.QuantSpec` for an int8/int4 ONNX
             Runtime graph (``--precision int8|int4``): the float32 graph is exported and
             checked as always, then replaced by its quantized form, whose quality is
             measured and recorded (``quantization`` in the manifest).
@@ -443,7 +444,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         for profile in profiles:
             profile.check_fits(dims.max_context)
         if quantization is not None and dims.hidden % quantization.block_size:
-            from .errors import ProfileError
+            from ..errors import ProfileError
 
             raise ProfileError(f"--block-size {quantization.block_size} does not divide the model's hidden size "
                                f"{dims.hidden}; give a power of two ≥ 16 that does (e.g. 32)")

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import ProfileError
-from .profile import LookaheadProfile
-from .specs import step_io_specs
+from ..errors import ProfileError
+from ..profile import LookaheadProfile
+from ..specs import step_io_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ def packed_defaults(profile: LookaheadProfile, max_context: int) -> tuple[int, i
     ``MAX_BATCH``): rows = max(token budget, prefill chunk, the profile's largest step),
     tokens = ``MAX_BATCH × max_context`` (the scheduler's default pool), opt rows = the
     token budget."""
-    from .scheduler import MAX_BATCH, PREFILL_CHUNK, TOKEN_BUDGET
+    from ..scheduler import MAX_BATCH, PREFILL_CHUNK, TOKEN_BUDGET
 
     return max(TOKEN_BUDGET, PREFILL_CHUNK, profile.max_step), MAX_BATCH * max_context, TOKEN_BUDGET
 

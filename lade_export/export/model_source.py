@@ -18,14 +18,13 @@ import contextlib
 import dataclasses
 import difflib
 import importlib.util
-import os
 import json
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ModelSourceError
+from ..errors import ModelSourceError
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from .errors import CheckFailedError, GenerationError, ProfileError
-from .profile import LookaheadProfile
+from ..errors import CheckFailedError, GenerationError, ProfileError
+from ..profile import LookaheadProfile
 
 GRIDS = {
     # (W, N, G, K, B): short steps with history lookup (1–3 branches) beside the paper's wider shapes
@@ -55,7 +55,7 @@ def measure_step_costs(engine, sizes=(1, 2, 4, 8, 16, 32, 64), past: int = 256, 
     lookahead step reads is fewer). Returns ``[{"step", "seconds", "relative"}]`` with
     ``relative`` = latency / latency at step 1.
     """
-    from .feeds import example_feeds
+    from ..feeds import example_feeds
 
     rows = []
     base = None
@@ -173,7 +173,7 @@ def tune(decoder, prompts_ids: list, profiles: list, max_new_tokens: int, progre
         ProfileError: fewer than 2 prompts or an empty grid.
         GenerationError: a prompt leaves no room for a new token in the context (the
             runtime's check, naming the prompt's index; the CLI leaves such records out
-            beforehand with :func:`lade_export.compare.fit_prompts`).
+            beforehand with :func:`lade_export.evaluation.compare.fit_prompts`).
         CheckFailedError: a profile's output differs from greedy.
     """
     if len(prompts_ids) < 2:

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import GenerationError
+from ..errors import GenerationError
 
 DATASET_FILES = {
     "mt_bench": "mt_bench/question.jsonl",

@@ -64,6 +64,6 @@ def export_reduced_precision(step, dtype: str, path: str | Path) -> Path:
         ValueError: another dtype.
         onnx.checker.ValidationError: the exported graph is invalid.
     """
-    from .graph import export_onnx
+    from ..graph import export_onnx
 
     return export_onnx(ReducedPrecisionStep(step, dtype).eval(), path)

@@ -1,0 +1,101 @@
+"""Print the package's import structure: one line per module, ``module -> imports``.
+
+Every ``import``/``from … import`` statement in ``lade_export`` (module level and inside
+functions, which are marked ``(lazy)``) is read with :mod:`ast`; nothing is executed.
+Listed are the package's own modules and the heavy export-time libraries (torch,
+transformers, onnx, onnxscript, tensorrt).
+
+    python scripts/import_graph.py            # every module
+    python scripts/import_graph.py --runtime  # only modules that reach no export-time library
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+HEAVY = ("torch", "transformers", "onnx", "onnxscript", "tensorrt")
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "lade_export"
+
+
+def module_name(path: Path) -> str:
+    """``lade_export/a/b.py`` → ``lade_export.a.b`` (``__init__`` names its package)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> dict[str, bool]:
+    """Imported names of interest → whether every import of it is inside a function."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, bool] = {}
+    tree = ast.parse(path.read_text(), str(path))
+
+    def visit(node, lazy):
+        for child in ast.iter_child_nodes(node):
+            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            targets = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] if child.module else [f"{base}.{a.name}" for a in child.names]
+            for t in targets:
+                top = t.split(".")[0]
+                if top == PACKAGE:
+                    key = t
+                    while key not in MODULES and "." in key:  # `from .x import Name`
+                        key = key.rpartition(".")[0]
+                elif top in HEAVY:
+                    key = top
+                else:
+                    continue
+                if key != name:
+                    found[key] = found.get(key, True) and inner
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+MODULES = {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime", action="store_true",
+                        help="only modules whose imports, followed through the package, reach none of "
+                             + ", ".join(HEAVY) + " at module level")
+    args = parser.parse_args()
+    graph = {module_name(p): imports_of(p) for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+    def heavy(mod, seen=()):
+        """Heavy libraries a module pulls in at import time (module-level imports, transitively)."""
+        out = set()
+        for dep, lazy in graph.get(mod, {}).items():
+            if lazy or dep in seen:
+                continue
+            out |= {dep} if dep in HEAVY else heavy(dep, seen + (mod,))
+        parents = mod.split(".")[:-1]  # importing a.b.c runs a/__init__ and a/b/__init__
+        for i in range(1, len(parents) + 1):
+            parent = ".".join(parents[:i])
+            if parent != mod and parent not in seen and parent in graph:
+                out |= heavy(parent, seen + (mod,))
+        return out
+
+    for mod in sorted(graph):
+        if args.runtime and heavy(mod):
+            continue
+        deps = ", ".join(d + (" (lazy)" if lazy else "") for d, lazy in sorted(graph[mod].items()))
+        print(f"{mod} -> {deps}")
+
+
+if __name__ == "__main__":
+    main()
