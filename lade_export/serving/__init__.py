@@ -12,7 +12,10 @@
   container (docs/serving.md).
 * :mod:`.client` — a small asyncio streaming client on ``tritonclient.grpc.aio``.
 * :mod:`.openai_api` — ``lade-export serve``: an OpenAI-compatible HTTP server on the
-  continuous-batching scheduler (the ``http`` extra: Starlette, uvicorn, prometheus-client).
+  continuous-batching scheduler (the ``http`` extra: Starlette, uvicorn, prometheus-client),
+  with :mod:`.openai_schema` (request fields, checks, the error schema),
+  :mod:`.openai_stream` (a request's reader thread and its answer, whole or as server-sent
+  events) and :mod:`.openai_metrics` (``GET /metrics``).
 
 Nothing here imports PyTorch; :mod:`.client` needs ``tritonclient[grpc]`` (the ``serve``
 extra) and :mod:`.local` the ``nvidia-pytriton`` wheel.
