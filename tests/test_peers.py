@@ -1,5 +1,7 @@
-"""Comparison peers: the transformers peers' float32 cache, llama.cpp's output parsers on
-real captured output, and (where the binaries are built) a real llama.cpp comparison."""
+"""Comparison peers: the transformers peers' float32 cache
+(lade_export.evaluation.transformers_peer), llama.cpp's output parsers on real captured
+output (lade_export.evaluation.llama_cpp), and (where the binaries are built) a real
+llama.cpp comparison."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lade_export.evaluation import peers
+from lade_export.evaluation import llama_cpp, transformers_peer
 from lade_export.cli import main
 from lade_export.errors import EngineError
 
@@ -26,8 +28,8 @@ def test_gguf_source_runs_from_a_float32_hf_cache_made_once(tmp_path, stories_di
 
     monkeypatch.setenv("LADE_CACHE", str(tmp_path / "cache"))
     gguf = stories_dir / "llama2c" / "stories260K.gguf"
-    model, form = peers.load_transformers_peer(str(gguf))
-    folder = tmp_path / "cache" / "hf-fp32" / peers.file_sha256(gguf)
+    model, form = transformers_peer.load_transformers_peer(str(gguf))
+    folder = tmp_path / "cache" / "hf-fp32" / transformers_peer.file_sha256(gguf)
     assert form.startswith(f"float32 HF directory {folder} ")
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert (folder / "SOURCE").read_text().strip() == str(gguf.resolve())
@@ -35,7 +37,7 @@ def test_gguf_source_runs_from_a_float32_hf_cache_made_once(tmp_path, stories_di
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no temporary left behind
     assert next(model.parameters()).dtype.is_floating_point and str(next(model.parameters()).dtype) == "torch.float32"
     for case in reference_greedy["cases"]:  # the oracle: plain greedy on the original float32 weights, EOS ignored
-        out = peers.run_transformers_peer(model, "transformers-greedy", case["prompt_ids"], 48, [])
+        out = transformers_peer.run_transformers_peer(model, "transformers-greedy", case["prompt_ids"], 48, [])
         assert out.token_ids == case["greedy_ids"][:48]
         assert out.new_tokens == 48 and out.steps == out.new_tokens
         assert out.prefill_s > 0 and out.decode_s > 0
@@ -44,12 +46,12 @@ def test_gguf_source_runs_from_a_float32_hf_cache_made_once(tmp_path, stories_di
         raise AssertionError("the cache should be reused, not rebuilt")
 
     monkeypatch.setattr(model_source, "_load_gguf", no_gguf_load)
-    assert peers.fp32_hf_dir(gguf) == folder
+    assert transformers_peer.fp32_hf_dir(gguf) == folder
 
 
 def test_hf_directory_source_is_loaded_as_it_is(stories_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("LADE_CACHE", str(tmp_path / "cache"))
-    _, form = peers.load_transformers_peer(str(stories_dir))
+    _, form = transformers_peer.load_transformers_peer(str(stories_dir))
     assert form == f"hf-dir {stories_dir}"
     assert not (tmp_path / "cache").exists()
 
@@ -58,67 +60,67 @@ def test_hf_directory_source_is_loaded_as_it_is(stories_dir, monkeypatch, tmp_pa
 
 
 def test_completion_timings_from_captured_stderr():
-    t = peers.parse_completion_timings((DATA / "completion.stderr").read_text())
+    t = llama_cpp.parse_completion_timings((DATA / "completion.stderr").read_text())
     assert t == json.loads((DATA / "completion.expected.json").read_text())["timings"]
 
 
 def test_prompt_ids_from_captured_verbose_prompt():
     expected = json.loads((DATA / "completion.expected.json").read_text())
-    ids, rendering = peers.parse_prompt_ids((DATA / "completion.stderr").read_text())
+    ids, rendering = llama_cpp.parse_prompt_ids((DATA / "completion.stderr").read_text())
     assert ids == expected["prompt_ids"]
     assert rendering == (DATA / "prompt.txt").read_text()
 
 
 def test_completion_text_from_captured_stdout():
     expected = json.loads((DATA / "completion.expected.json").read_text())
-    assert peers.completion_text((DATA / "completion.stdout").read_text()) == expected["text"]
+    assert llama_cpp.completion_text((DATA / "completion.stdout").read_text()) == expected["text"]
 
 
 def test_completion_stopped_by_end_of_generation_from_captured_output():
     expected = json.loads((DATA / "eog.completion.expected.json").read_text())
     stderr = (DATA / "eog.completion.stderr").read_text()
-    assert peers.parse_completion_timings(stderr) == expected["timings"]
-    assert peers.completion_text((DATA / "eog.completion.stdout").read_text()) == expected["text"]
-    ids, rendering = peers.parse_prompt_ids(stderr)
+    assert llama_cpp.parse_completion_timings(stderr) == expected["timings"]
+    assert llama_cpp.completion_text((DATA / "eog.completion.stdout").read_text()) == expected["text"]
+    ids, rendering = llama_cpp.parse_prompt_ids(stderr)
     assert rendering == (DATA / "eog.prompt.txt").read_text() and len(ids) == 40
 
 
 def test_lookahead_timings_and_text_from_captured_output():
     expected = json.loads((DATA / "lookahead.expected.json").read_text())
-    t = peers.parse_lookahead_timings((DATA / "lookahead.stderr").read_text())
+    t = llama_cpp.parse_lookahead_timings((DATA / "lookahead.stderr").read_text())
     assert t == expected["timings"]
-    assert (t["W"], t["N"], t["G"]) == peers.LOOKAHEAD_CONSTANTS
+    assert (t["W"], t["N"], t["G"]) == llama_cpp.LOOKAHEAD_CONSTANTS
     prompt = (DATA / "prompt.txt").read_text()
-    assert peers.lookahead_text((DATA / "lookahead.stdout").read_text(), [None, prompt]) == expected["text"]
-    assert peers.lookahead_text((DATA / "lookahead.stdout").read_text(), ["something else"]) is None
+    assert llama_cpp.lookahead_text((DATA / "lookahead.stdout").read_text(), [None, prompt]) == expected["text"]
+    assert llama_cpp.lookahead_text((DATA / "lookahead.stdout").read_text(), ["something else"]) is None
 
 
 def test_missing_timing_line_is_one_clear_error():
     with pytest.raises(EngineError, match=r"^llama-completion: no 'eval time' line in its output"):
-        peers.parse_completion_timings("llama_perf_context_print: prompt eval time =  1.00 ms /  3 tokens\n")
+        llama_cpp.parse_completion_timings("llama_perf_context_print: prompt eval time =  1.00 ms /  3 tokens\n")
     text = (DATA / "lookahead.stderr").read_text().replace("G = 15", "")
     with pytest.raises(EngineError, match=r"^llama-lookahead: no 'G = …' line"):
-        peers.parse_lookahead_timings(text)
+        llama_cpp.parse_lookahead_timings(text)
 
 
 def test_end_of_text_marker_and_trailing_blank_line_are_cut():
-    assert peers.completion_text("Hello there.<|im_end|> [end of text]\n\n\n") == "Hello there.<|im_end|>"
-    assert peers.completion_text("two\n\nlines\n\n") == "two\n\nlines"
+    assert llama_cpp.completion_text("Hello there.<|im_end|> [end of text]\n\n\n") == "Hello there.<|im_end|>"
+    assert llama_cpp.completion_text("two\n\nlines\n\n") == "two\n\nlines"
 
 
 def test_prompt_pieces_may_hold_newlines_and_quotes():
     stderr = ("main: number of tokens in prompt = 3\n     1 -> '<|im_start|>'\n   198 -> '\n'\n"
               "    42 -> 'it's'\n\nmain: other\n")
-    assert peers.parse_prompt_ids(stderr) == ([1, 198, 42], "<|im_start|>\nit's")
-    assert peers.parse_prompt_ids("main: number of tokens in prompt = 2\n     1 -> 'a'\n") is None
+    assert llama_cpp.parse_prompt_ids(stderr) == ([1, 198, 42], "<|im_start|>\nit's")
+    assert llama_cpp.parse_prompt_ids("main: number of tokens in prompt = 2\n     1 -> 'a'\n") is None
 
 
 # ---------------------------------------------------------------- real llama.cpp (only where it is built)
 
-LLAMA_CPP = os.environ.get(peers.LLAMA_CPP_ENV)
+LLAMA_CPP = os.environ.get(llama_cpp.LLAMA_CPP_ENV)
 needs_llama_cpp = pytest.mark.skipif(
-    not (LLAMA_CPP and (Path(LLAMA_CPP) / peers.GREEDY_BIN).is_file() and (Path(LLAMA_CPP) / peers.LOOKAHEAD_BIN).is_file()),
-    reason=f"llama.cpp binaries not built (set {peers.LLAMA_CPP_ENV} to bench/build_llama_cpp.sh's bin folder)")
+    not (LLAMA_CPP and (Path(LLAMA_CPP) / llama_cpp.GREEDY_BIN).is_file() and (Path(LLAMA_CPP) / llama_cpp.LOOKAHEAD_BIN).is_file()),
+    reason=f"llama.cpp binaries not built (set {llama_cpp.LLAMA_CPP_ENV} to bench/build_llama_cpp.sh's bin folder)")
 
 
 @needs_llama_cpp

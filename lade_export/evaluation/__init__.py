@@ -3,12 +3,15 @@ builds and peer engines (``lade-export compare``), profile tuning (``lade-export
 and the paper's workloads. Decodes from artifacts only: no export-time library is
 imported (the transformers peer imports torch when it is asked for).
 
-============  =====================================================================
-module        job
-============  =====================================================================
-``compare``   interleaved runs, exactness check, the report (JSONL, Markdown, plot)
-``peers``     transformers and llama.cpp as peers, run at their best settings
-``tune``      pick a lookahead profile from measured step costs and acceptance
-``datasets``  MT-Bench, HumanEval, GSM8K and chat prompt sets (JSONL)
-============  =====================================================================
+=====================  =====================================================================
+module                 job
+=====================  =====================================================================
+``compare``            interleaved runs, exactness check, the report (JSONL, Markdown, plot)
+``peers``              peer names; :class:`~.peers.Peers` runs the peers asked for, prompt by prompt
+``transformers_peer``  transformers' ``generate`` (greedy, prompt lookup) on float32 weights
+``llama_cpp``          llama.cpp's greedy CLI and lookahead example, and their output parsers
+``peer_output``        what one peer generation returns (shared by the two peer modules)
+``tune``               pick a lookahead profile from measured step costs and acceptance
+``datasets``           MT-Bench, HumanEval, GSM8K and chat prompt sets (JSONL)
+=====================  =====================================================================
 """
