@@ -88,7 +88,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from lade_export.artifact import Artifact, write_text_atomic
-    from lade_export.evaluation.compare import environment
+    from lade_export.evaluation.report import environment
     from lade_export.backends.onnxruntime import OrtEngine
     from lade_export.feeds import example_feeds
 
@@ -139,7 +139,7 @@ def rows_table(args, session, rng) -> None:
     import onnx
 
     from lade_export.artifact import Artifact, write_text_atomic
-    from lade_export.evaluation.compare import environment
+    from lade_export.evaluation.report import environment
 
     counts = [int(v) for v in args.rows.split(",")]
     runs = []

@@ -104,7 +104,7 @@ def closed_loop(send, items, concurrency: int, total: int):
 def machine() -> dict:
     import onnxruntime
 
-    from lade_export.evaluation.compare import environment
+    from lade_export.evaluation.report import environment
 
     return {"cpu": environment()["cpu"], "cores": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "platform": platform.platform()}

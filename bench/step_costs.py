@@ -43,7 +43,7 @@ def main() -> None:
 
     import lade_export
     from lade_export.artifact import write_text_atomic
-    from lade_export.evaluation.compare import environment
+    from lade_export.evaluation.report import environment
     from lade_export.evaluation.tune import measure_step_costs
 
     curves = {}
