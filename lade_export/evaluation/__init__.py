@@ -6,7 +6,8 @@ imported (the transformers peer imports torch when it is asked for).
 =====================  =====================================================================
 module                 job
 =====================  =====================================================================
-``compare``            interleaved runs, exactness check, the report (JSONL, Markdown, plot)
+``compare``            interleaved runs of every configuration on each prompt, exactness check
+``report``             the figures per dataset × configuration and the files (JSONL, CSV, Markdown, plot)
 ``peers``              peer names; :class:`~.peers.Peers` runs the peers asked for, prompt by prompt
 ``transformers_peer``  transformers' ``generate`` (greedy, prompt lookup) on float32 weights
 ``llama_cpp``          llama.cpp's greedy CLI and lookahead example, and their output parsers
