@@ -237,8 +237,8 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
                    "downloaded first, ~150 MB") + ")") if kernels == "lade" else ""
         click.echo(f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json{library}")
         if engine_options:
-            from .backends.tensorrt import (SUPPORTED_MAJORS, describe_precision_plan, installed_tensorrt_major,
-                                            precision_plan)
+            from .backends.tensorrt_install import SUPPORTED_MAJORS, installed_tensorrt_major
+            from .export.tensorrt_build import describe_precision_plan, precision_plan
 
             major = installed_tensorrt_major()
             majors = (major,) if major in SUPPORTED_MAJORS else SUPPORTED_MAJORS
@@ -252,9 +252,9 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         click.echo("nothing was written")
         return
     if engine_options:
-        from .backends.tensorrt import require_tensorrt
+        from .export.tensorrt_build import require_builder
 
-        require_tensorrt("build")  # before any work: nothing is written without TensorRT and a GPU
+        require_builder()  # before any work: nothing is written without TensorRT and a GPU
     with _interrupt_names_written_build(out):
         with _progress() as say:
             manifest = Manifest.from_dict(build_artifact(

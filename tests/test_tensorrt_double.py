@@ -35,7 +35,7 @@ DOCUMENTED_ROWS = {
     "tensorrt-other-gpu": "test_an_engine_for_another_gpu_is_refused_unless_hardware_compatible",
     "tensorrt-profile-not-covered": "test_a_profile_no_engine_covers_is_refused_naming_the_limits",
     "tensorrt-step-not-covered": "test_each_step_runs_in_the_optimization_profile_that_covers_it",
-    "tensorrt-batching-beyond-packed": "test_batching_checks_the_scheduler_against_the_engines_packed_profile",
+    "tensorrt-batching-beyond-packed": "test_batching_checks_the_scheduler_against_the_engines_packed_optimization_profile",
     "tensorrt-execution-failed": "test_an_execution_failure_is_an_engine_error",
     "tensorrt-reduced-parity": "test_a_reduced_precision_graph_beyond_its_bound_stops_the_build",
 }
@@ -183,8 +183,8 @@ def test_with_only_the_lean_runtime_a_build_says_it_cannot_build(tmp_path, stori
 
 
 def test_parser_rejection_and_build_failure_are_one_line(tmp_path, stories_artifact, monkeypatch):
-    from lade_export.backends.tensorrt import build_engine
     from lade_export.export.optimization_profiles import optimization_profiles
+    from lade_export.export.tensorrt_build import build_engine
 
     state = install(monkeypatch, version=V10)
     shapes = optimization_profiles(resolve_profile("small"), ModelDimsOf(stories_artifact))
@@ -504,11 +504,13 @@ def test_an_engine_for_another_gpu_is_refused_unless_hardware_compatible(art11, 
                        "(NVIDIA's CUDA runtime bindings; match the driver's CUDA major)"),
 ])
 def test_without_a_gpu_or_cuda_wrapper_nothing_starts(art11, tmp_path, stories_dir, monkeypatch, gpu, cuda, message):
-    from lade_export.backends.tensorrt import tensorrt_unavailable_reason
+    from lade_export.backends.tensorrt_install import tensorrt_unavailable_reason
+    from lade_export.export.tensorrt_build import builder_unavailable_reason
 
     out, _ = art11
     install(monkeypatch, version=V11, gpu=gpu, cuda=cuda)
-    assert tensorrt_unavailable_reason("run") == message
+    assert tensorrt_unavailable_reason() == message
+    assert builder_unavailable_reason() == message
     build = invoke("build", "--model", stories_dir, "--engine", "tensorrt", "--out", tmp_path / "a")
     assert build.exit_code == 2 and one_line(build) == f"error: {message}"
     assert not (tmp_path / "a").exists()
@@ -539,7 +541,7 @@ def _engine(out, monkeypatch, version=V10, **kw):
 def test_tensorrt_refusals_at_run_time_are_engine_errors_naming_the_call(art10, tmp_path, monkeypatch):
     from lade_export.feeds import example_feeds
 
-    def widen(m):  # the manifest claims a larger decode profile than the plan has
+    def widen(m):  # the manifest claims a larger decode optimization profile than the plan has
         m["engines"][0]["optimization_profiles"]["decode"]["input_ids"]["max"] = [1, 12]
         m["engines"][0]["optimization_profiles"]["decode"]["position_ids"]["max"] = [1, 12]
         m["engines"][0]["optimization_profiles"]["decode"]["attention_mask"]["max"][2] = 12
@@ -548,7 +550,8 @@ def test_tensorrt_refusals_at_run_time_are_engine_errors_naming_the_call(art10, 
     feeds = example_feeds(engine.dims, step=12, past=3)
     feeds["logits_positions"] = feeds["logits_positions"][:, :5]
     with pytest.raises(EngineError, match=r"^TensorRT rejected shape \[1, 12\] of input_ids in engines/small.plan "
-                                          r"\(optimization profile 1, decode\); the profile allows \[1, 1\] to \[1, 12\]$"):
+                                          r"\(optimization profile 1, decode\); the optimization profile allows "
+                                          r"\[1, 1\] to \[1, 12\]$"):
         engine.run(feeds)
     assert "Parameter check failed" in state.log[-1]
 
@@ -629,7 +632,8 @@ def test_the_cuda_wrapper_frees_everything_and_reports_cuda_errors(monkeypatch):
 
 def test_the_runtime_imports_neither_torch_nor_the_builder(art10):
     """A service: lean runtime + cuda-bindings + numpy (the double stands in for both) —
-    a fresh interpreter that loads and generates never imports torch."""
+    a fresh interpreter that loads and generates never imports torch, onnx, or anything of
+    the export side (the builder is lade_export.export.tensorrt_build)."""
     out, _ = art10
     code = f"""
 import sys
@@ -640,11 +644,13 @@ install(MonkeyPatch(), version={V10!r}, kinds=("lean",))
 import lade_export
 model = lade_export.load({str(out)!r}, "tensorrt")
 result = model.generate("Once upon a time", max_new_tokens=12, profile="small")
-print(model.engine.runtime_kind, len(result.token_ids), "torch" in sys.modules, "onnx" in sys.modules)
+export_side = sorted(m for m in sys.modules if m.startswith("lade_export.export"))
+print(model.engine.runtime_kind, len(result.token_ids), "torch" in sys.modules, "onnx" in sys.modules,
+      ",".join(export_side) or "-")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["lean", "12", "False", "False"]
+    assert proc.stdout.split() == ["lean", "12", "False", "False", "-"]
 
 
 # -- check -----------------------------------------------------------------------------------
@@ -655,11 +661,12 @@ def test_check_runs_every_engine_on_the_feeds_its_profiles_cover(art10, monkeypa
     result = invoke("check", out)
     assert result.exit_code == 0, result.output
     assert "check passed" in result.stdout
-    # small's packed profile (the scheduler's passes, up to 512 rows) covers the wide step its decode profile does not
+    # small's packed optimization profile (the scheduler's passes, up to 512 rows) covers the wide step its decode
+    # optimization profile does not
     assert "no optimization profile covers" not in result.stdout
     for name in ("tensorrt:small", "tensorrt:wide"):
         assert f"{name}" in result.stdout
-    # prefill feeds in the prefill profile, every step with a cache in the decode profile, else the packed one
+    # prefill feeds in the prefill optimization profile, every step with a cache in the decode one, else the packed one
     assert state.executions and all((e["past"] == 0) == (e["profile"] == 0) for e in state.executions)
     assert sorted((e["decode_max_step"], e["profile"], e["step"]) for e in state.executions if e["profile"]) == \
         sorted([(9, 1, 1), (9, 1, 9), (9, 2, 31), (31, 1, 1), (31, 1, 9), (31, 1, 31)])
@@ -691,7 +698,7 @@ def test_check_fails_naming_the_engine_output_and_case_that_differ(art10, monkey
     line = one_line(result)
     assert line.startswith("error: check failed: tensorrt:small: output logits differs from PyTorch at ")
     assert "tensorrt:wide: output logits differs from PyTorch at " in line
-    for part in line.split("; "):  # every named case ran in the decode profile, where the logits were wrong
+    for part in line.split("; "):  # every named case ran in the decode optimization profile, where the logits were wrong
         assert part.split(" at ", 1)[1].split(":")[0].endswith("(decode)"), part
 
 
@@ -768,7 +775,8 @@ def test_the_double_refuses_a_runtime_without_a_gpu(monkeypatch):
 def test_a_broken_tensorrt_install_is_one_line(monkeypatch):
     import importlib
 
-    from lade_export.backends import tensorrt as backend
+    from lade_export.backends import tensorrt_install as installed
+    from lade_export.export import tensorrt_build
 
     install(monkeypatch, version=None)
     real = importlib.import_module
@@ -780,19 +788,19 @@ def test_a_broken_tensorrt_install_is_one_line(monkeypatch):
             raise ModuleNotFoundError("No module named 'tensorrt_lean_bindings'", name="tensorrt_lean_bindings")
         return real(name, *a)
 
-    monkeypatch.setattr(backend.importlib, "import_module", fake)
+    monkeypatch.setattr(installed.importlib, "import_module", fake)
     with pytest.raises(BackendUnavailableError, match=r"^tensorrt cannot be imported \(RuntimeError: This is a "
                                                       r"placeholder package; the real wheel is on pypi.nvidia.com\); "
                                                       r"the full TensorRT builds"):
-        backend.import_builder()
-    assert backend.installed_tensorrt_major() is None
+        tensorrt_build.import_builder()
+    assert installed.installed_tensorrt_major() is None
     with pytest.raises(BackendUnavailableError, match=r"^tensorrt_lean cannot be imported \(missing "
                                                       r"tensorrt_lean_bindings\); the lean runtime only runs"):
-        backend.import_runtime("lean")
+        installed.import_runtime("lean")
 
 
 def test_precision_plans_refuse_other_versions_and_precisions():
-    from lade_export.backends.tensorrt import precision_plan
+    from lade_export.export.tensorrt_build import precision_plan
 
     with pytest.raises(BackendUnavailableError, match="^TensorRT 12 is not supported: lade-export builds engines with "
                                                       "TensorRT 10 or 11$"):
@@ -801,7 +809,7 @@ def test_precision_plans_refuse_other_versions_and_precisions():
     assert precision_plan("bf16", 11)["graph_dtype"] == "bfloat16"
 
 
-def test_feeds_without_an_input_are_covered_by_no_profile(art10, monkeypatch):
+def test_feeds_without_an_input_are_covered_by_no_optimization_profile(art10, monkeypatch):
     from lade_export.feeds import example_feeds
 
     engine, _ = _engine(art10[0], monkeypatch)
@@ -814,10 +822,10 @@ def test_feeds_without_an_input_are_covered_by_no_profile(art10, monkeypatch):
 
 
 def test_a_reduced_precision_graph_beyond_its_bound_stops_the_build(tmp_path, stories_dir, monkeypatch):
-    from lade_export.backends import tensorrt as backend
+    from lade_export.export import tensorrt_build
 
     install(monkeypatch, version=V11)
-    monkeypatch.setitem(backend.PRECISION_BOUNDS, "fp16", (float("inf"), 1e-9))
+    monkeypatch.setitem(tensorrt_build.PRECISION_BOUNDS, "fp16", (float("inf"), 1e-9))
     result = invoke("build", "--model", stories_dir, "--engine", "tensorrt", "--profile", "small",
                     "--out", tmp_path / "a")
     assert result.exit_code == 1
@@ -943,14 +951,14 @@ def test_the_device_copy_follows_writes_the_engine_did_not_make():
     assert sync(latest) == (4 * 10 * row, 0)
 
 
-def test_batching_checks_the_scheduler_against_the_engines_packed_profile(art10, monkeypatch):
+def test_batching_checks_the_scheduler_against_the_engines_packed_optimization_profile(art10, monkeypatch):
     engine, _ = _engine(art10[0], monkeypatch)
     assert engine.packed_limits == (512, 4096)  # max(token budget 64, prefill chunk 512, S); 8 requests × 512
     engine.check_batching(64, 512, 4096)  # the scheduler's defaults on stories260K's context
     for options in ((64, 600, 4096), (64, 512, 5000)):
         with pytest.raises(GenerationError, match=r"^the scheduler's passes \(token budget 64, prefill chunk \d+, pool "
-                                                  r"of \d+ tokens\) exceed the TensorRT engines' packed profile \(512 "
-                                                  r"rows, 4096 pool tokens\): give the scheduler smaller options "
+                                                  r"of \d+ tokens\) exceed the TensorRT engines' packed optimization "
+                                                  r"profile \(512 rows, 4096 pool tokens\): give the scheduler smaller options "
                                                   r"\(Scheduler\(model.decoder, token_budget=…, prefill_chunk=…, "
                                                   r"kv_tokens=…\)\) or rebuild the engines with a larger --max-context$"):
             engine.check_batching(*options)

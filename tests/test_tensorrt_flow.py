@@ -28,7 +28,7 @@ SMOLLM2 = ModelDims(num_layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576,
         (LookaheadProfile(4, 2, 0), 5, 5),  # no verification branch: 1 + 4*1 = 5
     ],
 )
-def test_decode_profile_step_is_one_plus_window_and_guesses_times_levels(profile, step, rows):
+def test_decode_optimization_profile_step_is_one_plus_window_and_guesses_times_levels(profile, step, rows):
     shapes = optimization_profiles(profile, SMOLLM2, max_batch=4, max_prompt=1024, max_context=2048)
     dec, pre = shapes["decode"], shapes["prefill"]
     assert dec["input_ids"] == {"min": [1, 1], "opt": [1, step], "max": [4, step]}
@@ -139,7 +139,7 @@ def test_sanitized_graph_is_smaller_and_keeps_parity(tmp_path, stories_loaded, s
     assert built <= counts["nodes_after"]
 
 
-def test_packed_profile_covers_the_schedulers_passes_over_its_pool():
+def test_packed_optimization_profile_covers_the_schedulers_passes_over_its_pool():
     """Batch 1, up to max(token budget 64, prefill chunk 512, S) rows over the scheduler's
     default pool of 8 requests × the model's context, even when the engines' context is lower."""
     shapes = optimization_profiles(LookaheadProfile(15, 5, 15), SMOLLM2, max_batch=4, max_prompt=1024,

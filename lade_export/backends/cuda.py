@@ -315,3 +315,22 @@ class KVMirror:
         if self.buffer is not None:
             self.memory.free(self.buffer)
             self.buffer = None
+
+
+def mirror_for(mirrors: dict, memory, cache, names: list[str]) -> KVMirror:
+    """The :class:`KVMirror` of ``cache`` in an engine's ``mirrors`` (``id(cache)`` → mirror),
+    created on first use and replaced when its id was reused by another cache or the
+    ``past_key_values.*`` ``names`` differ; mirrors of caches that no longer exist are
+    freed first.
+
+    Raises:
+        EngineError: a new mirror's device allocation failed.
+    """
+    for key in [k for k, m in mirrors.items() if m.cache() is None]:
+        mirrors.pop(key).close()
+    mirror = mirrors.get(id(cache))
+    if mirror is None or mirror.cache() is not cache or mirror.names != list(names):
+        if mirror is not None:
+            mirror.close()
+        mirror = mirrors[id(cache)] = KVMirror(memory, cache, names)
+    return mirror

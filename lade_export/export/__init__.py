@@ -13,6 +13,7 @@ module                      job
 ``precision``               graphs exported in float16/bfloat16 for TensorRT
 ``parity``                  ONNX Runtime against PyTorch and transformers on real prompts
 ``optimization_profiles``   TensorRT optimization profiles (min/opt/max shapes) per lookahead profile
+``tensorrt_build``          TensorRT engines built from the step graph (``backends.tensorrt`` runs them)
 ``build``                   the pipeline that writes an artifact (``lade-export build``)
 ``check``                   re-validate a built artifact (``lade-export check``)
 ``torch_engine``            the PyTorch reference engine (``backend="torch"``)

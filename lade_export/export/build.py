@@ -155,7 +155,7 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
                            timing_cache, say) -> list[dict]:
     """Sanitize the graph, re-check its parity, and build one TensorRT engine per profile
     into ``root/engines``, the way the installed TensorRT sets precision
-    (:func:`lade_export.backends.tensorrt.precision_plan`): TensorRT 10 parses the float32
+    (:func:`lade_export.export.tensorrt_build.precision_plan`): TensorRT 10 parses the float32
     graph and gets fp16/bf16 builder flags; TensorRT 11 parses the step exported in the
     target precision (:mod:`lade_export.export.precision`), whose parity against the float32
     PyTorch step is checked first (float16 under ONNX Runtime; bfloat16 has no ONNX
@@ -172,12 +172,12 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
     import tempfile
 
     from ..artifact import sha256_file
-    from ..backends.tensorrt import (PRECISION_BOUNDS, build_engine, check_version, import_builder, precision_plan,
-                                    require_tensorrt)
+    from ..backends.tensorrt_install import check_version
     from .optimization_profiles import engine_plans
     from .sanitize import sanitize_onnx
+    from .tensorrt_build import PRECISION_BOUNDS, build_engine, import_builder, precision_plan, require_builder
 
-    require_tensorrt("build")
+    require_builder()
     plans = engine_plans(profiles, step.dims, **engine_options)
     precision = engine_options.get("precision", "fp16")
     plan_of_precision = precision_plan(precision, check_version(import_builder()))

@@ -4,13 +4,13 @@
 2. Polygraphy's comparator runs the ONNX graph under ONNX Runtime, the PyTorch reference
    step (the checkpoint named in the manifest) and, where a TensorRT runtime and a GPU
    exist, each TensorRT engine, on lookahead-shaped feeds generated from each recorded
-   profile: real token ids (the build's parity prompt), a real non-empty KV cache, the
-   custom mask and non-contiguous position ids, plus prefill and greedy shapes. Each
-   engine runs through :class:`lade_export.backends.tensorrt.TensorRTEngine` restricted
-   to it, so every feed runs in the optimization profile that covers it (prefill feeds
-   in the prefill profile, steps with a cache in the decode profile); feeds no profile
-   of an engine covers (a larger profile's lookahead step) are left out for that engine
-   and listed in the report's notes.
+   lookahead profile: real token ids (the build's parity prompt), a real non-empty KV
+   cache, the custom mask and non-contiguous position ids, plus prefill and greedy
+   shapes. Each engine runs through :class:`lade_export.backends.tensorrt.TensorRTEngine`
+   restricted to it, so every feed runs in the optimization profile that covers it
+   (prefill feeds in the prefill optimization profile, steps with a cache in the decode
+   one); feeds no optimization profile of an engine covers (a larger lookahead profile's
+   step) are left out for that engine and listed in the report's notes.
 3. Per output: max abs error and max abs error / max |reference|; ``next_token_ids``
    must match exactly. Anything past the tolerance fails the check, naming the output
    and the case where it failed.
@@ -150,8 +150,8 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
 
-    from ..backends.tensorrt import tensorrt_unavailable_reason
-    from .build import parity_prompt_ids
+    from ..backends.tensorrt_install import tensorrt_unavailable_reason
+    from .build_checks import parity_prompt_ids
     from ..graph import DecoderStep
     from .parity import reference_cases
     from .model_source import load_model
@@ -207,7 +207,7 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
         notes.append(f"{precision} graph: its differences from the float32 PyTorch step are its quantization's"
                      f"{measured}; they are shown, not held to the float32 bounds")
     engines = artifact.spec.engines
-    reason = tensorrt_unavailable_reason("run") if engines else None
+    reason = tensorrt_unavailable_reason() if engines else None
     if reason:
         notes.append(f"TensorRT engines not checked: {reason}")
     elif engines:
@@ -217,10 +217,11 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
 
 def _check_engines(artifact, engines, feeds, labels, reference, input_specs, output_names, notes, say) -> list:
     """Compare every TensorRT engine with the PyTorch reference on the feeds its
-    optimization profiles cover (each in the profile that covers it)."""
+    optimization profiles cover (each in the optimization profile that covers it)."""
     from polygraphy.comparator import Comparator
 
-    from ..backends.tensorrt import PRECISION_BOUNDS, TensorRTEngine
+    from ..backends.tensorrt import TensorRTEngine
+    from .tensorrt_build import PRECISION_BOUNDS
 
     errors = []
     for entry in engines:

@@ -16,15 +16,21 @@ lookahead profile (W, N, G) with three optimization profiles:
   0..T − 1 columns of the shared token pool (T = ``packed_tokens``, default the
   scheduler's pool, ``MAX_BATCH × max_context``; opt min((T − 1) / 2, 2 × max_context):
   four requests at half the context),
-  logits for 1..R rows (opt the token budget). Engines built before this profile existed
-  have only the first two and decode unbatched.
+  logits for 1..R rows (opt the token budget). Engines built before this optimization
+  profile existed have only the first two and decode unbatched.
 
 The key length ``past+step`` of the mask follows from the two. Batch is
 1..max_batch with opt 1 in the first two (the runtime decodes one sequence). Shapes are
 derived from the single tensor declaration in :mod:`lade_export.specs`. TensorRT sizes an
-execution context's activation memory for the largest shapes of its profile, so the
-packed profile's bounds (attention scores of R rows over T + R keys per layer) are what
-batching costs in device memory; give smaller ``packed_rows``/``packed_tokens`` to spend less.
+execution context's activation memory for the largest shapes of its optimization
+profile, so the packed optimization profile's bounds (attention scores of R rows over
+T + R keys per layer) are what batching costs in device memory; give smaller
+``packed_rows``/``packed_tokens`` to spend less.
+
+Here "profile" alone is always a lookahead profile
+(:class:`lade_export.profile.LookaheadProfile`); TensorRT's are "optimization profiles",
+named by their phase (``prefill``, ``decode``, ``packed``), in their index order in an
+engine.
 """
 
 from __future__ import annotations
@@ -133,18 +139,20 @@ def axis_ranges(profile: LookaheadProfile, max_batch: int, max_prompt: int, max_
 def optimization_profiles(profile: LookaheadProfile, dims, max_batch: int = 1, max_prompt: int | None = None,
                           max_context: int | None = None, packed_rows: int | None = None,
                           packed_tokens: int | None = None) -> dict:
-    """Per-input (min, opt, max) shapes for every dynamic graph input.
+    """Per-input (min, opt, max) shapes for every dynamic graph input, per optimization
+    profile (phase).
 
     Args:
-        profile: lookahead profile.
+        profile: the lookahead profile.
         dims: :class:`lade_export.graph.ModelDims` (layers, kv heads, head dim, vocab, context).
         max_batch: largest batch.
         max_prompt: longest prompt (default: half the context).
         max_context: context bound (default: the model's).
-        packed_rows, packed_tokens: bounds of the packed profile (see :func:`axis_ranges`);
-            ``packed_tokens`` defaults to ``MAX_BATCH × dims.max_context``, the pool the
-            scheduler of ``lade_export.load(..., batching=True)`` sizes from the model's
-            context, so its passes fit even when ``max_context`` bounds the engines lower.
+        packed_rows, packed_tokens: bounds of the packed optimization profile (see
+            :func:`axis_ranges`); ``packed_tokens`` defaults to ``MAX_BATCH ×
+            dims.max_context``, the pool the scheduler of ``lade_export.load(...,
+            batching=True)`` sizes from the model's context, so its passes fit even when
+            ``max_context`` bounds the engines lower.
 
     Returns:
         ``{"prefill": {input: {"min": [...], "opt": [...], "max": [...]}}, "decode": {...},
@@ -202,9 +210,10 @@ def engine_plans(profiles, dims, precision: str = "fp16", max_batch: int = 1, ma
 
 
 def describe_plan(plan: dict, num_layers: int) -> list[str]:
-    """Human-readable lines for one engine plan (the KV inputs folded into one line)."""
-    p = plan["profile"]
-    lines = [f"engine {plan['file']}: profile {p['name']} (W={p['window']}, N={p['ngram']}, G={p['guesses']}), "
+    """Human-readable lines for one engine plan: its lookahead profile and bounds, then
+    each optimization profile's shapes (the KV inputs folded into one line)."""
+    la = plan["profile"]  # the lookahead profile
+    lines = [f"engine {plan['file']}: profile {la['name']} (W={la['window']}, N={la['ngram']}, G={la['guesses']}), "
              f"precision {plan['precision']}, max batch {plan['max_batch']}, max prompt {plan['max_prompt']}, "
              f"max context {plan['max_context']}"]
     for index, (phase, shapes) in enumerate(plan["optimization_profiles"].items()):
