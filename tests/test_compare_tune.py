@@ -189,3 +189,25 @@ def test_jsonl_dataset_with_a_byte_order_mark_reads_like_without(tmp_path):
     assert [(p.id, p.text, p.record) for p in load_prompts(str(marked))] == \
         [(p.id, p.text, p.record) for p in load_prompts(str(plain))]
     assert load_prompts(str(marked))[0].text == "Once upon a time"
+
+
+def test_comparison_runs_an_extra_engine_per_prompt_and_counts_left_out_records_in_progress(tmp_path, stories_artifact,
+                                                                                             stories_decoder):
+    from lade_export.artifact import Artifact
+    from lade_export.evaluation.compare import Comparison, ExtraEngine
+    from lade_export.profile import resolve_profile
+
+    small = resolve_profile("small")
+    advances = []
+    comparison = Comparison(stories_decoder, Artifact(stories_artifact).tokenizer(), False, [small], 6,
+                            progress=advances.append, extra_engines=[ExtraEngine("again", stories_decoder, [small])])
+    assert comparison.configurations == 4  # greedy, small, again greedy, again small
+    records, skipped = comparison.run([str(_with_long_records(tmp_path))], 4)  # r0, r2 run; r1, r3 left out
+    assert [r.prompt_id for r in skipped] == ["r1", "r3"]
+    assert [(r.prompt_id, r.config, r.reference) for r in records] == [
+        (p, c, ref) for p in ("r0", "r2")
+        for c, ref in (("greedy", "greedy"), ("small", "greedy"), ("again greedy", "again greedy"),
+                       ("again small", "again greedy"))]
+    assert all(r.exact and r.new_tokens == 6 and r.token_ids == records[4 * (i // 4)].token_ids
+               for i, r in enumerate(records))
+    assert advances == [2 * 4] + [1] * 8  # the left-out records advance by every configuration, as the CLI counts
