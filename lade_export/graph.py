@@ -279,8 +279,9 @@ def export_onnx(step_module: DecoderStep, path: str | Path, external_data_thresh
     """Export ``step_module`` to ONNX at ``path`` and run ``onnx.checker`` on it.
 
     With ``slim`` (default) the exporter's shape arithmetic is folded away with onnxslim
-    (:func:`lade_export.export.sanitize.slim_model`): on SmolLM2 that removes 57% of the nodes and
-    makes an ONNX Runtime step 15–20% faster on 2 CPU cores, for greedy and lookahead alike.
+    (:func:`lade_export.export.sanitize.slim_model`): on SmolLM2 that removes over half of the
+    nodes and makes an ONNX Runtime step faster, for greedy and lookahead alike
+    (bench/results/design-figures.md, *Graph export*).
     With ``fuse`` (default) the MatMuls that share an input (query/key/value, gate/up)
     become one MatMul each (:func:`lade_export.export.fusion.fuse_sibling_matmuls`).
 

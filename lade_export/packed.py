@@ -44,15 +44,13 @@ costs:
   request alone sees the columns ``0 … n−1`` it would see alone.
 
 Either way the only copy a pass makes is of accepted tokens. Measured with
-``bench/batched_step_options.py`` (``bench/results/serving-batched.md``, 2026-12-01
-section): on the int8 lade build, regions take a packed pass from 1.2–3.3× the
-per-request bound to 0.95–1.6× (contexts 128–384, B = 2–8; 2.1× at B = 8 × 1024 tokens,
-where reading eight requests' keys dominates), and the compact pool on that engine leaves
-no block to skip. On the float32 builds a pool with room costs the room's share of
-attention (0.97–1.07× the compact pool with 17–25% room, within that machine's noise) and
-can save nothing, and on ``group-query-attention`` graphs reserved room would count
-against the ``max_context`` columns their pool may hold: they keep the compact pool. See
-:mod:`lade_export.scheduler`.
+``bench/batched_step_options.py``: on the int8 lade build, regions bring a packed pass
+close to the per-request bound where the compact pool was well above it (the compact pool
+on that engine leaves no block to skip); on the float32 builds a pool with room costs the
+room's share of attention and can save nothing, and on ``group-query-attention`` graphs
+reserved room would count against the ``max_context`` columns their pool may hold: they
+keep the compact pool. The figures: ``bench/results/design-figures.md`` (*Packed passes*)
+and ``bench/results/serving-batched.md``. See :mod:`lade_export.scheduler`.
 """
 
 from __future__ import annotations

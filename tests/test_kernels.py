@@ -22,7 +22,8 @@ from lade_export.cli import main
 from lade_export.errors import ArtifactError, ProfileError
 from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, library_paths
 from lade_export.profile import resolve_profile
-from lade_export.export.quantize import QuantSpec, dequantize_block_lanes, pack_block_lanes
+from lade_export.export.quantize import QuantSpec
+from lade_export.export.weight_blocks import dequantize_block_lanes, pack_block_lanes
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ import numpy as np
 from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[2])
 from test_kernels import _session, _q4_1_grid, _q8_0_grid
-from lade_export.export.quantize import pack_block_lanes, dequantize_block_lanes
+from lade_export.export.weight_blocks import pack_block_lanes, dequantize_block_lanes
 rng = np.random.default_rng(3)
 worst, independent, digest = 0.0, True, hashlib.sha256()
 for bits, k, n in ((4, 64, 344), (4, 576, 200), (8, 128, 96), (8, 64, 50)):
@@ -129,7 +130,7 @@ from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[2])
 from test_kernels import _session, _q4_1_grid, _q8_0_grid
 from lade_export.kernels import running_path
-from lade_export.export.quantize import pack_block_lanes, dequantize_block_lanes
+from lade_export.export.weight_blocks import pack_block_lanes, dequantize_block_lanes
 rng = np.random.default_rng(5)
 worst, independent, digests = 0.0, True, {}
 for threads in (1, 2):

@@ -13,7 +13,8 @@ import lade_export
 from lade_export.cli import main
 from lade_export.errors import ProfileError
 from lade_export.profile import resolve_profile
-from lade_export.export.quantize import QuantSpec, block_quant
+from lade_export.export.quantize import QuantSpec
+from lade_export.export.weight_blocks import block_quant
 
 
 def _dequantize(q, bits, block):

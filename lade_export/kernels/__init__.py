@@ -17,8 +17,8 @@ and, for int8-compute graphs, ``AttentionRows(Q float[B, KV, G·S, D], PK, K flo
 PV, V float[B, KV, S, D], masked bool[B, 1, 1, S, P+S]) -> float[B, KV, G·S, D]`` (attributes
 ``scale`` and ``past_layout``): the attention of an ``onnx-ops`` step graph computed per query
 row over the keys it sees, in position order, in one pass over the cache and the step
-(:func:`lade_export.export.quantize.exact_attention` swaps it in). ``past_layout=1`` (graphs built
-since 2026-12-01) takes the cache as the graph's own sequence-major inputs, PK = PV =
+(:func:`lade_export.export.attention_rows.exact_attention` swaps it in). ``past_layout=1``
+(graphs built since 2026-12-01) takes the cache as the graph's own sequence-major inputs, PK = PV =
 ``[B, P, KV, D]``, read in place; absent or 0 (graphs before), the graph's Transposes of it,
 PK ``[B, KV, D, P]`` and PV ``[B, KV, P, D]`` — a copy of the whole cache per layer and step.
 Keys are taken in blocks of 16 columns, and a block whose 16 mask entries are all masked for
@@ -75,7 +75,7 @@ state, which the library asks for (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XT
 before it counts AMX as available.
 
 The packed layout puts 16 output columns in the 32-bit lanes of a 512-bit vector
-(:func:`lade_export.export.quantize.pack_block_lanes`): 8-bit codes are the 4-byte groups
+(:func:`lade_export.export.weight_blocks.pack_block_lanes`): 8-bit codes are the 4-byte groups
 ``VPDPBUSD`` and AMX's B tiles take as they are, 4-bit codes are two such groups after one
 AND and one shift.
 
@@ -252,8 +252,8 @@ def _cpu_has(wanted, cpuinfo) -> bool | None:
 
 def cpu_has_avx512(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU runs the float32-compute kernels' AVX-512 path (None: unknown, no
-    ``/proc/cpuinfo``). Without it they take a portable path that is about 12× slower
-    (measured on SmolLM2)."""
+    ``/proc/cpuinfo``). Without it they take a portable path that is much slower
+    (bench/results/design-figures.md, *Kernels*)."""
     return _cpu_has(AVX512_FLAGS, cpuinfo)
 
 
