@@ -18,14 +18,10 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .peers import PEERS
-
-if TYPE_CHECKING:
-    from .compare import RunRecord
 
 GREEDY = "greedy"
 SAMPLING = "sampling"  # the baseline under sampling: plain sampling, no lookahead
@@ -36,12 +32,19 @@ def _pct(values, q):
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def summarize(records: list[RunRecord]) -> list[dict]:
+def summarize(records: list) -> list[dict]:
     """Per dataset × configuration: compression mean/median, decode tok/s, speedup vs the
     baseline (decode tok/s ratio; for exact greedy runs, which emit the same tokens, the
     ratio of total decode times), speedup vs the configuration's own greedy (its
     ``reference``: an extra engine's greedy, transformers or llama.cpp greedy for their
-    lookahead peers), p50/p90 decode time per token (ms), exact count (None under sampling)."""
+    lookahead peers), p50/p90 decode time per token (ms), exact count (None under sampling).
+
+    Args:
+        records: :class:`lade_export.evaluation.compare.RunRecord` objects, in run order.
+
+    Returns:
+        one dict per (dataset, configuration), in order of first appearance.
+    """
     rows = []
     keys = []
     for r in records:
@@ -108,8 +111,13 @@ def environment() -> dict:
             "transformers": installed("transformers"), "lade_export": __version__}
 
 
-def write_outputs(out: Path, records: list[RunRecord], rows: list[dict], meta: dict) -> bool:
+def write_outputs(out: Path, records: list, rows: list[dict], meta: dict) -> bool:
     """Write results.jsonl, summary.csv, summary.md and speedup.png into ``out`` (atomically per file).
+
+    Args:
+        out: the folder (made if missing).
+        records: the run's :class:`lade_export.evaluation.compare.RunRecord` objects.
+        rows: :func:`summarize` of them; meta: as for :func:`render_markdown`.
 
     Returns:
         whether speedup.png was written (it needs matplotlib, the ``bench`` extra).
