@@ -23,6 +23,13 @@ class ProfileError(LadeError):
     """A lookahead profile is invalid (missing file, TOML syntax, unknown key, out-of-range value)."""
 
 
+class BuildOptionError(LadeError):
+    """A build's options do not go together or do not fit the model (e.g. ``--engine tensorrt``
+    with ``--kernels lade``, ``--block-size`` on a float32 build, a head width
+    ``--attention group-query-attention`` cannot take); raised before anything is written,
+    by :func:`lade_export.export.build.build_artifact` and the CLI alike."""
+
+
 class ArtifactError(LadeError):
     """An artifact directory is missing, incomplete, from another schema version, or fails its checksums."""
 

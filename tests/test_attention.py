@@ -11,7 +11,7 @@ import pytest
 
 from lade_export.artifact import Artifact
 from lade_export.backends.onnxruntime import OrtEngine
-from lade_export.errors import ProfileError
+from lade_export.errors import BuildOptionError, ProfileError
 from lade_export.export.parity import PARITY_MAX_ABS
 from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.runtime import Decoder
@@ -182,10 +182,10 @@ def test_a_profile_wider_than_the_rotary_table_is_refused(both):
 
 def test_a_head_width_the_kernel_refuses_falls_back_to_standard_operators(stories_artifact):
     """stories260K's heads are 8 wide; ONNX Runtime's GroupQueryAttention needs a multiple of 16."""
-    from lade_export.export.build import choose_attention
+    from lade_export.export.build_options import choose_attention
 
     art = Artifact(stories_artifact)
     assert (art.attention, art.kv_layout) == ("onnx-ops", "sequence-major")
     assert choose_attention("auto", art.dims) == "onnx-ops"
-    with pytest.raises(ProfileError, match="needs a head width that is a multiple of 16.*this model's is 8"):
+    with pytest.raises(BuildOptionError, match="needs a head width that is a multiple of 16.*this model's is 8"):
         choose_attention("group-query-attention", art.dims)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +47,70 @@ def test_build_non_llama_config_fails_cleanly(tmp_path):
     assert one_line_error(proc).startswith(f"error: {src}/config.json: model_type 'gpt2' is not supported")
     assert not out.exists()
     assert sorted(os.listdir(tmp_path)) == ["gpt2"]
+
+
+#: Build flags that do not go together, the same options for the API, and the one message both give.
+BAD_BUILD_OPTIONS = [
+    (["--engine", "tensorrt", "--kernels", "lade"], dict(engine="tensorrt", kernels="lade"),
+     "--kernels lade makes ONNX Runtime custom operators, which TensorRT cannot parse; --engine tensorrt takes fp16, "
+     "bf16 or fp32"),
+    (["--precision", "int8", "--profile", "default"], dict(precision="int8"),
+     "--precision int8 with accuracy level 4 computes one-token and multi-token steps differently (int8 activations), "
+     "so lookahead would not be exact; give --profile greedy-only, or build int4 (float32 compute)"),
+    (["--precision", "int4", "--kernels", "lade", "--block-size", "64"],
+     dict(precision="int4", kernels="lade", block_size=64),
+     "--kernels lade uses blocks of 32 weights (GGML's Q4_1/Q8_0); drop --block-size 64"),
+    (["--attention", "group-query-attention"], dict(attention="group-query-attention"),  # stories' heads: 8 wide
+     "--attention group-query-attention needs a head width that is a multiple of 16 (ONNX Runtime's kernel); this "
+     "model's is 8: use --attention onnx-ops"),
+]
+
+
+@pytest.mark.parametrize("flags, options, message", BAD_BUILD_OPTIONS,
+                         ids=["tensorrt-lade", "int8-lookahead", "lade-block-size", "gqa-head-width"])
+def test_the_build_refuses_bad_options_with_the_message_the_cli_prints(tmp_path, stories_dir, flags, options,
+                                                                        message):
+    """The API (``build_artifact``) checks the options the CLI checks: the same one line, as
+    BuildOptionError, and nothing written at the destination either way."""
+    from click.testing import CliRunner
+
+    from lade_export.cli import main
+    from lade_export.errors import BuildOptionError
+    from lade_export.export.build import build_artifact
+    from lade_export.export.build_options import BuildOptions
+    from lade_export.profile import resolve_profile
+
+    out = tmp_path / "o"
+    result = CliRunner().invoke(main, ["build", "--model", str(stories_dir), *flags, "--out", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 2
+    assert one_line_error(result) == f"error: {message}"
+    with pytest.raises(BuildOptionError) as refused:
+        build_artifact(str(stories_dir), [resolve_profile("default")], out, options=BuildOptions(**options))
+    assert str(refused.value) == message
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_builds_older_keywords_get_the_same_checks(tmp_path, stories_dir):
+    """``quantization=`` (a QuantSpec) and ``engine_options=`` are checked as ``options=`` is:
+    an int8 engine is not exact for lookahead profiles, TensorRT parses no MatMulNBits."""
+    from lade_export.errors import BuildOptionError
+    from lade_export.export.build import build_artifact
+    from lade_export.export.build_options import BuildOptions
+    from lade_export.export.quantize import QuantSpec
+    from lade_export.profile import resolve_profile
+
+    out, default = tmp_path / "o", [resolve_profile("default")]
+    with pytest.raises(BuildOptionError, match=r"^--precision int8 with accuracy level 4 computes one-token and "):
+        build_artifact(str(stories_dir), default, out, quantization=QuantSpec.for_precision("int8"))
+    with pytest.raises(BuildOptionError, match=r"^--precision int4 makes MatMulNBits weights, which TensorRT cannot "
+                                               r"parse; --engine tensorrt takes fp16, bf16 or fp32$"):
+        build_artifact(str(stories_dir), default, out, quantization=QuantSpec.for_precision("int4"),
+                       engine_options={"precision": "fp16"})
+    with pytest.raises(BuildOptionError, match=r"^give the build's options either as options= or as "
+                                               r"engine_options=, quantization= and attention=, not both$"):
+        build_artifact(str(stories_dir), default, out, options=BuildOptions(), attention="onnx-ops")
+    assert os.listdir(tmp_path) == []
 
 
 def test_build_inspect_generate_on_stories(tmp_path, stories_dir, reference_greedy):

@@ -1,9 +1,15 @@
-"""The build pipeline: load → rope plan → export → parity (ONNX Runtime vs the PyTorch step;
-the graph vs transformers' model on both sides of every rope threshold) → tokenizer →
-manifest, atomically."""
+"""The build pipeline: options checked → load → rope plan → export → parity (ONNX Runtime vs
+the PyTorch step; the graph vs transformers' model on both sides of every rope threshold) →
+TensorRT engines or quantization → tokenizer → manifest, atomically (:func:`build_artifact`;
+:func:`dry_run` for ``build --dry-run``).
+
+The options and their checks are :mod:`lade_export.export.build_options`; the checks on real
+inputs (tokenizer, transformers parity) and their prompts :mod:`lade_export.export.build_checks`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import time
@@ -12,24 +18,16 @@ from pathlib import Path
 from .. import __version__
 from ..artifact import atomic_directory, file_entries, write_json_atomic
 from ..backends.onnxruntime import OrtEngine
-from ..errors import CheckFailedError
+from ..errors import BuildOptionError, CheckFailedError
 from ..graph import DecoderStep, export_onnx
+from .build_checks import parity_prompt_ids, quality_prompts, save_tokenizer, transformers_parity
+from .build_options import BuildOptions
 from .parity import PARITY_MAX_ABS, PARITY_MAX_REL, check_parity
 from ..kernels import LIBRARY
 from ..manifest import (EngineEntry, FileEntry, GraphInfo, Manifest, ModelInfo, Parity, Quantization, Rope, Source,
                        TokenizerInfo)
 from .model_source import load_model
 from ..specs import step_io_specs
-
-PARITY_PROMPT = "Once upon a time, a curious engineer wanted to make a small language model decode faster."
-#: Text that extends the parity prompt to the lengths of the transformers parity check (repeated as needed).
-REFERENCE_TEXT = (
-    " She wrote down every step the model took, one token after another, and counted how often the next word was "
-    "easy to guess. The old lighthouse keeper said that a long story is only many short ones in a row, so she "
-    "tried reading three words ahead. Some days the guesses were right and the work went twice as fast; on other "
-    "days the sea was grey, the numbers were stubborn, and she began again from the first line with a cup of tea."
-)
-
 
 def _versions() -> dict:
     import onnx
@@ -45,100 +43,6 @@ def _versions() -> dict:
         "onnx": onnx.__version__,
         "onnxruntime": onnxruntime.__version__,
     }
-
-
-def parity_prompt_ids(tokenizer, chat: bool) -> list[int]:
-    """Token ids of the fixed real prompt used for the build's parity check."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PARITY_PROMPT}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(PARITY_PROMPT).input_ids)
-
-
-def reference_token_ids(tokenizer, prompt_ids: list[int], count: int) -> list[int]:
-    """``count`` real token ids for the transformers parity check: the parity prompt, then
-    :data:`REFERENCE_TEXT` (tokenized without special tokens) repeated as needed."""
-    more = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False).input_ids) or [0]
-    ids = list(prompt_ids)
-    while len(ids) < count:
-        ids += more
-    return ids[:count]
-
-
-#: Texts on which the runtime tokenizer must give transformers' ids (plain and chat).
-TOKENIZER_SAMPLES = ("Once upon a time", "Hello, world! Don't  stop.\n\tTabs, ünïcödé, 日本語 and 😀🚀.", "  leading spaces",
-                     "<s> looks special </s>")
-
-
-def save_tokenizer(hf_tokenizer, folder: Path) -> dict:
-    """Save the tokenizer for the runtime and check that the runtime reads it right.
-
-    Writes ``folder/tokenizer.json`` (and transformers' own files beside it), then
-    encodes :data:`TOKENIZER_SAMPLES` — plain, and as one chat turn when there is a chat
-    template — with :class:`lade_export.tokenizer.Tokenizer` and with transformers.
-
-    Returns:
-        the manifest's ``tokenizer`` section (without ``files``): ``dir``, ``file``,
-        ``chat_template`` (text or None), ``special_tokens``, ``checked_samples``.
-
-    Raises:
-        ModelSourceError: the checkpoint has only a slow (Python) tokenizer.
-        CheckFailedError: the runtime tokenizer's ids differ from transformers' (naming the sample).
-    """
-    from ..errors import ModelSourceError
-    from ..tokenizer import Tokenizer
-
-    hf_tokenizer.save_pretrained(folder)
-    if not (folder / "tokenizer.json").is_file():
-        raise ModelSourceError("the checkpoint has no fast tokenizer (tokenizer.json); lade-export's runtime needs one")
-    template = getattr(hf_tokenizer, "chat_template", None)
-    template = template if isinstance(template, str) and template else None
-    special = {k: v for k, v in hf_tokenizer.special_tokens_map.items() if isinstance(v, str)}
-    ours = Tokenizer(folder / "tokenizer.json", template, special, hf_tokenizer.bos_token_id)
-    for text in TOKENIZER_SAMPLES:
-        if ours.encode(text) != list(hf_tokenizer(text).input_ids):
-            raise CheckFailedError(f"the runtime tokenizer encodes {text!r} differently from transformers")
-        if template is not None:
-            ref = hf_tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=True)
-            ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
-            if ours.encode_prompt(text, chat=True) != ref:
-                raise CheckFailedError(f"the runtime's chat template gives other ids than transformers for {text!r}")
-    return {"dir": folder.name, "file": f"{folder.name}/tokenizer.json", "chat_template": template,
-            "special_tokens": special, "checked_samples": len(TOKENIZER_SAMPLES)}
-
-
-def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[int], threads=None, engine=None) -> dict:
-    """Compare the graph with transformers' model at the lengths of
-    :func:`lade_export.export.rope.reference_lengths` (both sides of every rope threshold).
-
-    Returns:
-        the manifest's ``parity.transformers`` section.
-
-    Raises:
-        CheckFailedError: a length beyond max |Δlogit| 1e-3 or with another argmax (one line
-            naming the length, the rope type and the declared context).
-    """
-    import transformers
-
-    from .parity import check_against_transformers
-    from .rope import reference_lengths
-
-    lengths = reference_lengths(plan, len(prompt_ids))
-    token_ids = reference_token_ids(loaded.tokenizer, prompt_ids, max(lengths))
-    cases = check_against_transformers(loaded.model, onnx_path, dims, token_ids, lengths, threads=threads,
-                                       engine=engine)
-    bad = [c for c in cases if not c.ok()]
-    if bad:
-        c = bad[0]
-        raise CheckFailedError(
-            f"parity check (ONNX graph vs transformers) failed at {c.label} of {c.tokens} tokens with rope type "
-            f"{plan.rope_type!r} (declared context {dims.max_context}): max |Δlogit| {c.max_abs:.3g}, argmax equal "
-            f"{c.argmax_equal}")
-    return {"reference": f"transformers {transformers.__version__} {type(loaded.model).__name__}",
-            "bounds": {"max_abs": PARITY_MAX_ABS, "argmax": "identical"}, "lengths": lengths,
-            "cases": [c.as_dict() for c in cases]}
 
 
 def _raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
@@ -290,42 +194,6 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     return {"spec": spec.as_dict(), "graph": info, "quality": quality, **({"kernels": kernels} if kernels else {})}
 
 
-#: The shipped profile an artifact gets by default, per weight precision: the step-cost
-#: curve differs (an int4 step grows with its width much faster than a float32 one), so
-#: each precision has its own (measured on CPUs; bench/results/README.md).
-DEFAULT_PROFILES = {"fp32": "default", "fp16": "default", "bf16": "default", "int8": "greedy-only",
-                    "int4": "default-int4"}
-
-
-def default_profile_for(precision: str, kernels: str = "onnxruntime") -> str:
-    """Name of the shipped profile a build records as its default for ``precision``: with
-    the lade kernels (float32 compute, exact lookahead at 8 bits too) int8 gets int4's."""
-    if kernels == "lade" and precision in ("int8", "int4"):
-        return DEFAULT_PROFILES["int4"]
-    return DEFAULT_PROFILES.get(precision, "default")
-
-
-def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
-    """Prompt ids for the quantization quality report: the first MT-Bench questions when the
-    datasets are at hand, else the build's parity prompt."""
-    from ..evaluation.datasets import load_prompts
-    from ..errors import GenerationError
-
-    try:
-        texts = [p.text for p in load_prompts("mt_bench", limit=count, chat=chat)]
-    except GenerationError:
-        texts = [PARITY_PROMPT]
-    out = []
-    for text in texts:
-        if chat and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        else:
-            out.append(list(tokenizer(text).input_ids))
-    return out
-
-
 #: ``graph.kv_layout`` of the manifest: the cache layout in words.
 KV_LAYOUT_TEXT = {
     "sequence-major": "[batch, seq, kv_heads, head_dim] (sequence-major), float32, RoPE applied to keys; "
@@ -336,69 +204,65 @@ KV_LAYOUT_TEXT = {
 }
 
 
-def refuse_fused_attention_on_tensorrt(requested: str, tensorrt: bool) -> None:
-    """Raise before any work when a TensorRT build asks for ``group-query-attention``.
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """What ``build --dry-run`` reports, having written nothing.
+
+    Attributes:
+        notes: one-line notes for the user (the rope variant capping the context).
+        lines: the plan: the files the build would write, and with TensorRT each engine's
+            optimization profiles and precision plan, one text line each.
+    """
+
+    notes: tuple[str, ...]
+    lines: tuple[str, ...]
+
+
+def dry_run(source: str, profiles, out: str | Path, options: BuildOptions, headers_at_hand: bool = True) -> DryRun:
+    """Load ``source`` and describe what :func:`build_artifact` would write at ``out`` with
+    ``profiles`` and ``options``, without exporting or writing anything.
+
+    Args:
+        headers_at_hand: whether ONNX Runtime's headers are cached (``--kernels lade``:
+            otherwise the build would download them first; :meth:`BuildOptions.prepare_kernels`).
 
     Raises:
-        ProfileError: ``requested`` is ``group-query-attention`` and ``tensorrt`` is set.
+        BuildOptionError, ProfileError, ModelSourceError: as :func:`build_artifact` before its export.
     """
-    from ..errors import ProfileError
+    from .optimization_profiles import describe_plan, engine_plans
 
-    if requested == "group-query-attention" and tensorrt:
-        raise ProfileError("--attention group-query-attention is an ONNX Runtime contrib op that TensorRT cannot "
-                           "parse; --engine tensorrt takes --attention onnx-ops")
+    options.check(profiles)
+    step = DecoderStep(load_model(source).model)
+    dims = step.dims
+    notes = (step.rope.reason,) if step.rope.reason else ()
+    for profile in profiles:
+        profile.check_fits(dims.max_context)
+    library = (", kernels/liblade_kernels.so (compiled" + ("" if headers_at_hand else "; ONNX Runtime's headers "
+               "downloaded first, ~150 MB") + ")") if options.kernels == "lade" else ""
+    lines = [f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json{library}"]
+    if options.tensorrt:
+        from ..backends.tensorrt_install import SUPPORTED_MAJORS, installed_tensorrt_major
+        from .tensorrt_build import describe_precision_plan, precision_plan
 
-
-def refuse_fused_attention_on_rows_exact(requested: str) -> None:
-    """Raise before any work when an int8-compute lade build asks for ``group-query-attention``.
-
-    Raises:
-        ProfileError: ``requested`` is ``group-query-attention``.
-    """
-    from ..errors import ProfileError
-
-    if requested == "group-query-attention":
-        raise ProfileError("--compute int8 computes attention with the lade kernels (each row over the keys it sees, "
-                           "for exact lookahead), on the onnx-ops graph: drop --attention group-query-attention")
-
-
-def choose_attention(requested: str, dims, tensorrt: bool = False, rows_exact: bool = False) -> str:
-    """The attention formulation of a build (``--attention``).
-
-    ``auto`` picks ``group-query-attention`` — ONNX Runtime's fused RoPE + attention op
-    (``com.microsoft.GroupQueryAttention``) over a shared head-major cache buffer, which
-    removes the per-layer attention operators and the per-step transposes of the cache —
-    for ONNX Runtime builds whose head width it accepts (a multiple of 16), else
-    ``onnx-ops`` (standard operators, sequence-major cache; what TensorRT parses).
-
-    ``rows_exact`` (int8-compute lade builds, whose attention becomes the kernels'
-    ``AttentionRows``, :func:`lade_export.export.quantize.exact_attention`) takes ``onnx-ops``.
-
-    Raises:
-        ProfileError: ``group-query-attention`` asked for a TensorRT build, for ``rows_exact``
-            or for a head width of the model that ONNX Runtime's kernel refuses; an unknown value.
-    """
-    from ..errors import ProfileError
-    from ..graph import ATTENTION_KINDS
-
-    fits = dims.head_dim % 16 == 0
-    if rows_exact:
-        refuse_fused_attention_on_rows_exact(requested)
-    if requested == "auto":
-        return "group-query-attention" if fits and not tensorrt and not rows_exact else "onnx-ops"
-    if requested not in ATTENTION_KINDS:
-        raise ProfileError(f"--attention must be auto, {' or '.join(ATTENTION_KINDS)}, got {requested!r}")
-    refuse_fused_attention_on_tensorrt(requested, tensorrt)
-    if requested == "group-query-attention" and not fits:
-        raise ProfileError(f"--attention group-query-attention needs a head width that is a multiple of 16 (ONNX "
-                           f"Runtime's kernel); this model's is {dims.head_dim}: use --attention onnx-ops")
-    return requested
+        major = installed_tensorrt_major()
+        majors = (major,) if major in SUPPORTED_MAJORS else SUPPORTED_MAJORS
+        installed = f"installed TensorRT {major}" if major in SUPPORTED_MAJORS else \
+            f"TensorRT {major} is not supported" if major else "no TensorRT installed"
+        for plan in engine_plans(profiles, dims, **options.engine_options):
+            lines += describe_plan(plan, dims.num_layers)
+            lines.append(f"  precision plan ({installed}):")
+            lines += [f"    {describe_precision_plan(precision_plan(options.weights, m))}" for m in majors]
+    return DryRun(notes, tuple(lines))
 
 
 def build_artifact(source: str, profiles, out: str | Path, force: bool = False, status=None,
                    threads: int | None = None, loaded=None, engine_options: dict | None = None,
-                   timing_cache: str | Path | None = None, quantization=None, attention: str = "auto") -> dict:
+                   timing_cache: str | Path | None = None, quantization=None, attention: str | None = None,
+                   options: BuildOptions | None = None) -> dict:
     """Build an artifact directory (see :mod:`lade_export.artifact`) and return its manifest.
+
+    The options are checked first (:meth:`BuildOptions.check`, the checks and messages of
+    ``lade-export build``'s flags), before anything is loaded or written.
 
     Args:
         source: ``--model`` value (see :mod:`lade_export.export.model_source`).
@@ -418,16 +282,34 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
             Runtime graph (``--precision int8|int4``): the float32 graph is exported and
             checked as always, then replaced by its quantized form, whose quality is
             measured and recorded (``quantization`` in the manifest).
-        attention: ``onnx-ops``, ``group-query-attention`` or ``auto``
-            (:func:`choose_attention`); recorded as ``graph.attention`` with the cache
-            layout it implies (``graph.kv_cache``).
+        attention: ``onnx-ops``, ``group-query-attention`` or ``auto`` (None: ``auto``;
+            :func:`lade_export.export.build_options.choose_attention`); recorded as
+            ``graph.attention`` with the cache layout it implies (``graph.kv_cache``).
+        options: the build's :class:`~lade_export.export.build_options.BuildOptions` (engine,
+            precision, quantization, attention, TensorRT bounds), in place of
+            ``engine_options``, ``quantization`` and ``attention`` (which describe the same:
+            :meth:`BuildOptions.from_parts`).
 
     Raises:
+        BuildOptionError: options that do not go together, or that the model does not take
+            (nothing written); also ``options`` given with ``engine_options``,
+            ``quantization`` or ``attention``.
         ModelSourceError, ProfileError, ArtifactError: bad inputs (nothing written).
         CheckFailedError: ONNX-vs-PyTorch parity beyond the float32 bounds, or the graph
             differs from transformers' model at a checked prompt length (nothing written).
         BackendUnavailableError: TensorRT requested but missing (nothing written).
     """
+    if options is None:
+        options = BuildOptions.from_parts(quantization, engine_options, attention or "auto")
+    elif engine_options is not None or quantization is not None or attention is not None:
+        raise BuildOptionError("give the build's options either as options= or as engine_options=, quantization= "
+                               "and attention=, not both")
+    options.check(profiles)  # before any work: nothing is loaded or written
+    if options.tensorrt:
+        from .tensorrt_build import require_builder
+
+        require_builder()  # nor without TensorRT's builder and a GPU
+    quantization, engine_options = options.quantization, options.engine_options
     say = status or (lambda msg: None)
     with atomic_directory(out, force=force) as tmp:
         t0 = time.perf_counter()
@@ -435,19 +317,12 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         loaded = loaded or load_model(source)
         reference_step = DecoderStep(loaded.model).eval()
         dims = reference_step.dims
-        attention = choose_attention(attention, dims, tensorrt=engine_options is not None,
-                                     rows_exact=quantization is not None and quantization.kernels == "lade"
-                                     and quantization.compute == "int8")
+        attention = options.attention_for(dims)
         step = reference_step if attention == "onnx-ops" else DecoderStep(loaded.model, attention=attention).eval()
         if step.rope.reason:
             say(f"note: {step.rope.reason}")
         for profile in profiles:
             profile.check_fits(dims.max_context)
-        if quantization is not None and dims.hidden % quantization.block_size:
-            from ..errors import ProfileError
-
-            raise ProfileError(f"--block-size {quantization.block_size} does not divide the model's hidden size "
-                               f"{dims.hidden}; give a power of two ≥ 16 that does (e.g. 32)")
         load_s = time.perf_counter() - t0
         say("exporting the decoder step to ONNX")
         t1 = time.perf_counter()

@@ -1,0 +1,5 @@
+"""``python -m lade_export.cli …``: the ``lade-export`` command line."""
+
+from . import main
+
+main()

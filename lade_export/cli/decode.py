@@ -1,0 +1,252 @@
+"""``lade-export generate`` (decode from an artifact, text to stdout, statistics to stderr)
+and ``inspect`` (print an artifact's manifest); both run on the base install."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..backends import DTYPES
+from ..errors import ArtifactError, GenerationError
+from . import _artifact_dir, _backend, _device, _engine_threads, main
+
+
+def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
+    given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-from", prompt_from))
+             if v is not None]
+    if len(given) > 1:
+        raise GenerationError(f"give only one of {', '.join(given)}")
+    if prompt_from is not None:
+        from ..evaluation.datasets import load_prompts
+
+        name, _, index = prompt_from.rpartition(":")
+        if not name or not index.isdigit():
+            raise GenerationError(f"--prompt-from wants DATASET:INDEX (e.g. mt_bench:0), got {prompt_from!r}")
+        prompts = load_prompts(name, limit=int(index) + 1, chat=chat)
+        if len(prompts) <= int(index):
+            raise GenerationError(f"{name} has only {len(prompts)} prompts; index {index} is out of range")
+        return prompts[int(index)].text
+    if prompt_file is not None:
+        import codecs
+
+        try:
+            data = sys.stdin.buffer.read() if str(prompt_file) == "-" else Path(prompt_file).read_bytes()
+        except FileNotFoundError:
+            raise GenerationError(f"prompt file not found: {prompt_file}") from None
+        except (IsADirectoryError, PermissionError) as err:
+            raise GenerationError(f"cannot read prompt file {prompt_file}: {err.strerror}") from None
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is not prompt text
+        try:
+            return data[bom:].decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise GenerationError(f"prompt file {prompt_file} is not UTF-8 text (byte {bom + err.start})") from None
+    if prompt is None:
+        raise GenerationError("give --prompt TEXT, --prompt-file PATH or --prompt-from DATASET:INDEX")
+    return prompt
+
+
+@main.command()
+@_artifact_dir
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None,
+              help="Read the prompt from a UTF-8 file, or from stdin with - (a leading byte-order mark is ignored).")
+@click.option("--prompt-from", default=None, metavar="DATASET:INDEX",
+              help="Take the prompt from a workload: mt_bench:0, humaneval:3, gsm8k:10 (read from $LADE_DATASETS; "
+                   "docs/datasets.md) or a JSONL file, prompts.jsonl:0.")
+@click.option("--chat/--no-chat", default=None,
+              help="Wrap the prompt in the model's chat template (default: when the model has one).")
+@click.option("--parse-special-in-messages", "parse_special", is_flag=True,
+              help="Read special-token strings (e.g. </s>) in a chat-wrapped prompt as control tokens "
+                   "(default: they are text; --no-chat text is always read raw).")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--greedy", is_flag=True, help="Plain greedy decoding: no lookahead, temperature 0.")
+@click.option("--lookahead/--no-lookahead", default=True, show_default=True,
+              help="Lookahead decoding, or one token per step (with either decoding rule).")
+@click.option("--profile", "profile_value", default=None,
+              help="Lookahead profile: shipped name, TOML path or W,N,G[,K[,B]] (default: the build's default).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 (or below 1e-5): greedy decoding; from 1e-5: sampling (lookahead keeps plain sampling's "
+                   "distribution).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1.0: off).")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same output).")
+@click.option("--stop", "stops", multiple=True, help="Stop string: the answer ends before it (repeatable).")
+@_backend
+@_device
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32",
+              help="Compute dtype of the torch backend.")
+@_engine_threads
+@click.option("--verify", is_flag=True, help="Also check the weights' sha256 before loading (~1 s per GB).")
+@click.option("--check-greedy", is_flag=True, help="Also run plain greedy and report identity and speedup.")
+def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_tokens, greedy, lookahead, profile_value,
+             temperature, top_k, top_p, seed, stops, backend, device, dtype, threads, verify, check_greedy,
+             parse_special):
+    """Generate from a built artifact with lookahead (or --no-lookahead) decoding, greedy or
+    sampled: the text streams to stdout, the statistics go to stderr."""
+    from ..api import load
+    from ..sampling import SamplingParams
+
+    if greedy and temperature > 0:
+        raise GenerationError("--greedy means temperature 0; drop it to sample with --temperature")
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    for option, value, off in (("--top-k", top_k, 0), ("--top-p", top_p, 1.0), ("--seed", seed, None)):
+        if sampling.greedy and value != off:
+            raise GenerationError(f"{option} needs --temperature > 0 (without it decoding is greedy)")
+    if check_greedy and not sampling.greedy:
+        raise GenerationError("--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0")
+    lookahead = lookahead and not greedy
+    model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype,
+                 verify="full" if verify else "quick")
+    use_chat = model.tokenizer.has_chat_template if chat is None else chat
+    ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat,
+                       parse_special_in_messages=parse_special)
+    profile = model.resolve_profile(profile_value, lookahead=lookahead)
+    stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead, stop=stops,
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    last = "\n"
+    try:
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk.text[-1:] or last
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader closed stdout (e.g. | head): stop quietly, as SIGPIPE would
+        stream.close()
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        sys.exit(141)
+    except KeyboardInterrupt:
+        stream.close()
+        if last != "\n":  # the error line on stderr starts on its own line, not after the text
+            try:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+        raise
+    result = stream.result
+    if profile is not None and not profile.enabled:
+        profile = None
+    mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
+        (f", K={profile.lookup}" + (f", B={profile.lookup_branches}" if profile.lookup_branches > 1 else "") + ")"
+         if profile.lookup else ")") if profile else "no lookahead"
+    click.echo(f"[{mode}, {sampling.describe()}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
+    library = model.artifact.custom_ops_path if backend == "ort" else None
+    if library is not None:
+        from ..kernels import running_path
+
+        compute = model.artifact.spec.kernel_compute
+        click.echo(f"[kernels] lade, {compute} compute, path: {running_path(library, compute)}", err=True)
+    if backend == "tensorrt":
+        click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
+                   f"{', '.join(model.engine.loaded_engines)}", err=True)
+    if check_greedy and profile is None:
+        click.echo("[check-greedy] nothing to compare: this run decoded one token per step "
+                   "(no lookahead profile)", err=True)
+    elif check_greedy:
+        base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
+        same = base.token_ids == result.token_ids
+        speedup = base.stats.decode_s / result.stats.decode_s if result.stats.decode_s else 0.0
+        click.echo(f"[greedy] {base.stats.line()}", err=True)
+        click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x", err=True)
+        if not same:
+            sys.exit(1)
+
+
+@main.command()
+@_artifact_dir
+@click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
+def inspect(artifact_dir, as_json):
+    """Print an artifact's manifest in a readable form."""
+    import json
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..artifact import Artifact, checksum_errors  # not .check: that one needs the export extra
+
+    artifact = Artifact(artifact_dir, verify=False)
+    if as_json:
+        click.echo(json.dumps(artifact.manifest, indent=2))  # the raw JSON object, as on disk
+        return
+    m = artifact.spec
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    d = m.model.dims
+    console.print(f"[bold]{artifact_dir}[/] · schema {m.schema_version} · built {m.created} from "
+                  f"{m.source.model} ({m.source.kind})")
+    console.print(f"model: {d.num_layers} layers, {d.heads} heads / {d.kv_heads} kv heads × {d.head_dim}, "
+                  f"hidden {d.hidden}, vocab {d.vocab}, context {d.max_context}, tied embeddings "
+                  f"{d.tied_embeddings}; stop ids {list(m.model.stop_token_ids)}")
+    rope = m.model.rope
+    if rope:
+        console.print(f"rope {rope.type}: {rope.handling}, context {rope.declared_context} of "
+                      f"{rope.max_position_embeddings}" + (f", thresholds {list(rope.thresholds)}" if rope.thresholds
+                                                           else ""))
+    prof = Table(title="lookahead profiles")
+    for col in ("name", "W", "N", "G", "max step"):
+        prof.add_column(col)
+    for p in m.profiles:
+        prof.add_row(p.name, str(p.window), str(p.ngram), str(p.guesses), str(p.max_step))
+    console.print(prof)
+    io = Table(title=f"graph {m.graph.file} (opset {m.graph.opset})")
+    for col in ("", "name", "shape", "dtype"):
+        io.add_column(col)
+    specs = [("in", t) for t in m.graph.inputs] + [("out", t) for t in m.graph.outputs]
+    shown = [x for x in specs if not x[1].name.startswith(("past_key_values.", "present."))]
+    for kind, t in shown:
+        io.add_row(kind, t.name, escape("[" + ", ".join(map(str, t.shape)) + "]"), t.dtype)
+    cache = {t.name: t for _, t in specs}
+    for kind, name in (("in", "past_key_values"), ("out", "present")):
+        first = cache[f"{name}.0.key"]
+        io.add_row(kind, f"{name}.{{0..{d.num_layers - 1}}}.key/.value",
+                   escape("[" + ", ".join(map(str, first.shape)) + "]"), first.dtype)
+    console.print(io)
+    console.print(escape(f"mask: {m.graph.mask or '?'}"))
+    console.print(escape(f"attention: {artifact.attention}; KV cache: {m.graph.kv_layout or artifact.kv_layout}"))
+    q = m.quantization
+    if q is not None:
+        spec, quality, library = q.spec, q.quality, q.kernels
+        where = f" ({m.graph.custom_ops})" if m.graph.custom_ops else ""
+        if spec.kernels == "lade":  # compute type, and the paths the library holds (older builds: unlisted)
+            paths = ((library.paths if library is not None else None) or {}).get(spec.compute)
+            where = (f" ({m.graph.custom_ops}; {spec.compute} compute"
+                     + (f", paths {', '.join(paths)}" if paths else "") + ")")
+        agreement = quality.top1_agreement
+        head = f"{spec.head_bits}-bit" if spec.head_bits else "float32"
+        console.print(escape(f"weights: {m.graph.precision} layers, {head} head and embedding, "
+                             f"{spec.kernels} kernels{where}; lookahead exact: {m.graph.lookahead_exact}"
+                             + (f"; top-1 agreement with float32 {100 * agreement:.1f}%" if agreement is not None
+                                else "")))
+    par = Table(title="parity (ONNX Runtime vs PyTorch)")
+    for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):
+        par.add_column(col)
+    for c in m.parity.cases if m.parity is not None else ():
+        par.add_row(c["label"], str(c["step"]), str(c["past"]), f"{c['max_abs']:.2e}", f"{c['rel']:.1e}",
+                    str(c["argmax_equal"]))
+    console.print(par)
+    reference = m.parity.transformers if m.parity is not None else None
+    if reference:
+        ref = Table(title=f"parity (ONNX Runtime vs {reference['reference']})")
+        for col in ("case", "tokens", "rows", "max |Δlogit|", "argmax equal"):
+            ref.add_column(col)
+        for c in reference["cases"]:
+            ref.add_row(c["label"], str(c["tokens"]), str(c["rows"]), f"{c['max_abs']:.2e}", str(c["argmax_equal"]))
+        console.print(ref)
+    bad = dict(msg.split(": ", 1) for msg in checksum_errors(artifact))
+    for name, e in m.files.items():
+        state = f"[red]{escape(bad[name])}[/]" if name in bad else "ok"
+        console.print(f"  {name}  {e.bytes:,} bytes  sha256 {e.sha256[:16]}…  {state}")
+    for e in m.engines:
+        plan = e.precision_plan or {}
+        flags = ", version-compatible" if e.version_compatible else ""
+        console.print(f"  engine {e.file} ({e.precision}, {plan.get('network', '?')} network, TensorRT "
+                      f"{e.tensorrt_version}{flags})")
+    if bad:
+        raise ArtifactError(f"{len(bad)} of {len(m.files)} files differ from the manifest "
+                            f"({'; '.join(f'{k}: {v}' for k, v in bad.items())}); rebuild the artifact")
+
