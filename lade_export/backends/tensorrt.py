@@ -12,12 +12,8 @@ Which TensorRT is installed, and whether it runs an engine, is
 the lean runtime (``tensorrt_lean``, PyPI's ``tensorrt-lean`` wheels; also
 ``tensorrt_dispatch``), which runs only ``--version-compatible`` engines. Device buffers
 go through :mod:`lade_export.backends.cuda` (``cuda-bindings``), so a service runs
-engines with the lean runtime, numpy and nothing else — no PyTorch.
-
-``lade-export check`` wraps :class:`TensorRTEngine` as a Polygraphy runner rather than
-using ``TrtRunner``, which keeps one optimization profile per activation and needs
-``libcudart`` on the loader path: the wrapper runs each feed in the optimization profile
-that covers it, through the same code that serves requests.
+engines with the lean runtime, numpy and nothing else — no PyTorch. ``lade-export
+check`` runs its feeds through this engine too (:mod:`lade_export.export.check`).
 
 TensorRT is optional: it is imported only inside functions. No TensorRT and no GPU exist
 where this was written; every line runs in CI against a test double of the TensorRT API

@@ -10,7 +10,11 @@
    restricted to it, so every feed runs in the optimization profile that covers it
    (prefill feeds in the prefill optimization profile, steps with a cache in the decode
    one); feeds no optimization profile of an engine covers (a larger lookahead profile's
-   step) are left out for that engine and listed in the report's notes.
+   step) are left out for that engine and listed in the report's notes. The engine is
+   wrapped as a Polygraphy runner rather than using ``TrtRunner``, which keeps one
+   optimization profile per activation and needs ``libcudart`` on the loader path: the
+   wrapper runs each feed in the optimization profile that covers it, through the same
+   code that serves requests.
 3. Per output: max abs error and max abs error / max |reference|; ``next_token_ids``
    must match exactly. Anything past the tolerance fails the check, naming the output
    and the case where it failed.
