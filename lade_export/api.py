@@ -9,6 +9,14 @@
     for chunk in model.stream("Tell me a story.", max_new_tokens=200, stop=["\\n\\n"]):
         print(chunk.text, end="", flush=True)
 
+A request's decoding is given by two objects, each also accepted spelled out:
+``profile=`` (a :class:`~lade_export.profile.LookaheadProfile`, a profile name, or
+``"greedy"`` — :data:`lade_export.profile.GREEDY` — for plain greedy decoding; the older
+``lookahead=False`` stays an alias of it) and ``sampling=`` (a
+:class:`~lade_export.sampling.SamplingParams`, or the flat ``temperature=``, ``top_k=``,
+``top_p=``, ``seed=`` keywords, not both). ``stop_token_ids=`` replaces the artifact's
+stop ids for one request (``()``: no stop token).
+
 One :class:`Model` serves many requests at once from threads; each request owns its KV
 cache and lookahead state. Nothing here imports PyTorch or transformers.
 """
@@ -21,7 +29,7 @@ from pathlib import Path
 
 from .artifact import Artifact
 from .errors import GenerationError
-from .profile import LookaheadProfile, resolve_profile
+from .profile import LookaheadProfile, request_profile
 from .runtime import Chunk, Decoder, GenerationResult, collect
 from .sampling import SamplingParams, is_integer_number
 
@@ -140,7 +148,8 @@ class Model:
         decoder: the :class:`lade_export.runtime.Decoder` on the engine.
         scheduler: the :class:`lade_export.scheduler.Scheduler` that runs every request
             (``batching=True``), else None (each request runs its own passes).
-        default_profile: the profile used when a request names none.
+        default_profile: the profile used when a request names none (the artifact's;
+            None or a profile of ``enabled = false``: plain greedy decoding).
         load_s: seconds :func:`load` took.
     """
 
@@ -195,42 +204,68 @@ class Model:
             return [int(t) for t in prompt]
         raise GenerationError("prompt must be text, a list of chat messages, or a list of token ids")
 
-    def resolve_profile(self, profile, lookahead: bool = True) -> LookaheadProfile | None:
-        """The profile of a request: None for plain greedy (``lookahead=False``), the
-        model's default for None, else a shipped name, a TOML path, ``W,N,G[,K[,B]]`` or a
-        :class:`~lade_export.profile.LookaheadProfile`.
+    def resolve_profile(self, profile, lookahead: bool = True) -> LookaheadProfile:
+        """The profile of a request (:func:`lade_export.profile.request_profile`): the
+        model's default for None; ``"greedy"``, a :data:`~lade_export.profile.GREEDY`,
+        ``lookahead=False`` or a profile of ``enabled = false`` give
+        :data:`~lade_export.profile.GREEDY` (plain greedy decoding); else a shipped name,
+        a TOML path, ``W,N,G[,K[,B]]`` or a :class:`~lade_export.profile.LookaheadProfile`.
 
         Raises:
             ProfileError: the profile is unknown or invalid.
         """
-        if not lookahead:
-            return None
-        if profile is None:
-            return self.default_profile
-        return resolve_profile(profile)
+        return request_profile(profile, lookahead=lookahead, default=self.default_profile)
+
+    @staticmethod
+    def sampling_params(sampling: SamplingParams | None = None, *, temperature=None, top_k=None, top_p=None,
+                        seed=None) -> SamplingParams:
+        """The sampling of a request: ``sampling`` as given, else one built from the flat
+        keywords (each None: :class:`~lade_export.sampling.SamplingParams`' default).
+
+        Raises:
+            GenerationError: ``sampling`` together with a flat keyword, ``sampling`` of
+                another type, or a value out of range (SamplingParams' one-line errors).
+        """
+        flat = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                  ("seed", seed)) if v is not None}
+        if sampling is None:
+            return SamplingParams(**flat)
+        if flat:
+            raise GenerationError(f"give sampling= or {', '.join(f'{k}=' for k in flat)}, not both "
+                                  "(sampling= holds temperature, top_k, top_p and seed)")
+        if not isinstance(sampling, SamplingParams):
+            raise GenerationError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        return sampling
 
     def stream(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
-               lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               sampling: SamplingParams | None = None, stop=None, stop_token_ids=None, cancel=None,
+               timeout_s: float | None = None, lookahead: bool = True, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                parse_special_in_messages: bool = False) -> Stream:
         """Start a request and return its :class:`Stream` of chunks.
 
         Args:
             prompt, chat, parse_special_in_messages: see :meth:`encode`.
             max_new_tokens: ≥ 1; prompt + new tokens must fit the context.
-            profile, lookahead: see :meth:`resolve_profile`.
+            profile: the lookahead profile (None: the model's default; ``"greedy"``: plain
+                greedy decoding); see :meth:`resolve_profile`.
+            sampling: :class:`lade_export.sampling.SamplingParams`, the decoding rule
+                (None: greedy, or the flat keywords below): temperature 0 is greedy
+                decoding; > 0 samples, with lookahead keeping plain sampling's
+                distribution. The same seed gives the same output on the same engine.
             stop: a stop string or a list of them; the text is cut before the first match.
+            stop_token_ids: the token ids that end this request, instead of the
+                artifact's (``()``: none; None: the artifact's ``stop_token_ids``).
             cancel: an extra ``threading.Event`` that cancels the request when set.
             timeout_s: stop at the first step boundary after this many seconds.
-            temperature, top_k, top_p, seed: the decoding rule (see
-                :class:`lade_export.sampling.SamplingParams`): temperature 0 (the default)
-                is greedy decoding; > 0 samples, with lookahead keeping plain sampling's
-                distribution. The same seed gives the same output on the same engine.
+            lookahead: False is plain greedy decoding (an alias of ``profile="greedy"``).
+            temperature, top_k, top_p, seed: the fields of ``sampling`` spelled out (give
+                these or ``sampling``, not both).
 
         Raises:
             GenerationError, ProfileError: bad request (before any work).
         """
-        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        params = self.sampling_params(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode(prompt, chat, parse_special_in_messages=parse_special_in_messages)
         prof = self.resolve_profile(profile, lookahead)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
@@ -238,24 +273,20 @@ class Model:
         either = _AnyEvent(own, cancel) if cancel is not None else own
         runner = self.scheduler or self.decoder
         chunks = runner.stream(ids, max_new_tokens, prof, stop=stops, cancel=either, timeout_s=timeout_s,
-                               sampling=sampling)
+                               sampling=params, stop_token_ids=stop_token_ids)
         return Stream(lambda: chunks, own)
 
-    def generate(self, prompt, *, chat: bool | None = None, max_new_tokens: int = 256, profile=None,
-                 lookahead: bool = True, stop=None, cancel=None, timeout_s: float | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 parse_special_in_messages: bool = False) -> GenerationResult:
-        """Run a request to the end (arguments as in :meth:`stream`).
+    def generate(self, prompt, **request) -> GenerationResult:
+        """Run a request to the end (keyword arguments as in :meth:`stream`).
 
         Returns:
             :class:`lade_export.runtime.GenerationResult`: new token ids, text, stop reason, stats.
 
         Raises:
             GenerationError, ProfileError: bad request (before any work), as :meth:`stream`.
+            TypeError: a keyword :meth:`stream` does not take.
         """
-        stream = self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead,
-                             stop=stop, cancel=cancel, timeout_s=timeout_s, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, parse_special_in_messages=parse_special_in_messages)
+        stream = self.stream(prompt, **request)
         for _ in stream:
             pass
         return stream.result

@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from .ngram import HistoryIndex, NGramPool, StepLayout, build_trie, step_template
-from .profile import LookaheadProfile
+from .profile import GREEDY, LookaheadProfile, request_profile
 from .sampling import GreedyRule, SamplingParams, new_rule
 
 
@@ -278,10 +278,12 @@ class LookaheadState(GreedyState):
 
 def new_state(profile: LookaheadProfile | None, vocab: int, prompt_ids, rules: StopRules | None = None,
               sampling: SamplingParams | None = None):
-    """The state for a request: :class:`LookaheadState` for an enabled profile, else
-    :class:`GreedyState` (``profile`` None or the greedy setting ``enabled = false``),
+    """The state for a request: :class:`GreedyState` for plain greedy decoding
+    (:data:`~lade_export.profile.GREEDY`, or any spelling of it
+    :func:`~lade_export.profile.request_profile` takes), else :class:`LookaheadState`;
     deciding by ``sampling`` (None or temperature 0: greedy)."""
     rule = new_rule(sampling)
-    if profile is None or not profile.enabled:
+    profile = request_profile(profile)
+    if profile is GREEDY:
         return GreedyState(prompt_ids, rules, rule)
     return LookaheadState(profile, vocab, prompt_ids, rules, rule)

@@ -27,6 +27,13 @@ that pays on engines whose multi-token steps cost much more than a one-token ste
 with float32 compute). ``N = 1`` is not a lookahead profile; plain greedy decoding is its
 own mode.
 
+Plain greedy decoding (no lookahead) is spelled one way in the package: :data:`GREEDY`, a
+profile named ``greedy`` (``profile="greedy"`` where a profile is given by name). Users'
+older spellings stay accepted — ``lookahead=False``, a profile of ``enabled = false``
+(what ``tune`` writes when no profile beats greedy), and None at the decoder, which has no
+default profile of its own — and :func:`request_profile` alone turns each of them into
+:data:`GREEDY`; the decoding loop and the scheduler test ``profile is GREEDY``.
+
 TOML layout (``profiles/default.toml`` in the repository, shipped with the package)::
 
     name = "default"          # optional, defaults to the file stem
@@ -208,6 +215,38 @@ class LookaheadProfile:
         return "\n".join(lines)
 
 
+#: Plain greedy decoding, no lookahead: one token per step. The one spelling of it in the
+#: package; :func:`request_profile` turns every other spelling into this object.
+GREEDY = LookaheadProfile(window=1, ngram=2, guesses=0, name="greedy", enabled=False)
+
+
+def request_profile(value=None, *, lookahead: bool = True, default: LookaheadProfile | None = None) -> LookaheadProfile:
+    """The profile a request decodes with, every spelling of plain greedy decoding turned
+    into :data:`GREEDY` (the one place that knows them).
+
+    Args:
+        value: None (the default below); ``"greedy"``; a shipped profile name, a TOML
+            path or an inline ``W,N,G[,K[,B]]`` (:func:`resolve_profile`); or a
+            :class:`LookaheadProfile`. A profile of ``enabled = false`` is plain greedy.
+        lookahead: False means plain greedy decoding whatever ``value`` says (the
+            older spelling ``lookahead=False``).
+        default: the profile for ``value`` None (a model's default profile); None: plain
+            greedy (a decoder has no default profile).
+
+    Returns:
+        :data:`GREEDY` for plain greedy decoding, else an enabled :class:`LookaheadProfile`.
+
+    Raises:
+        ProfileError: the value names no profile, or the profile is invalid.
+    """
+    if not lookahead:
+        return GREEDY
+    chosen = default if value is None else resolve_profile(value)
+    if chosen is None or not chosen.enabled:
+        return GREEDY
+    return chosen
+
+
 def load_profile(path: str | Path) -> LookaheadProfile:
     """Read and validate a profile TOML file.
 
@@ -261,8 +300,9 @@ def bundled_profile_names() -> list[str]:
 
 
 def resolve_profile(value: str | Path) -> LookaheadProfile:
-    """Accept a TOML path, the name of a shipped profile (:func:`bundled_profile_names`:
-    ``default``, ``small``, ``paper`` …), or an inline ``W,N,G``, ``W,N,G,K`` or ``W,N,G,K,B``.
+    """Accept ``"greedy"`` (:data:`GREEDY`), a TOML path, the name of a shipped profile
+    (:func:`bundled_profile_names`: ``default``, ``small``, ``paper`` …), or an inline
+    ``W,N,G``, ``W,N,G,K`` or ``W,N,G,K,B``; a :class:`LookaheadProfile` is returned as it is.
 
     Raises:
         ProfileError: nothing matches, or the profile is invalid.
@@ -270,6 +310,8 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
     if isinstance(value, LookaheadProfile):
         return value
     text = str(value)
+    if text == GREEDY.name:
+        return GREEDY
     if not text.strip():
         raise ProfileError("empty profile: give a TOML path, a shipped name "
                            f"({', '.join(bundled_profile_names())}) or W,N,G[,K[,B]]")

@@ -33,8 +33,8 @@ from .errors import GenerationError, ProfileError
 from .feeds import causal_feeds
 from .kv_cache import KVCache
 from .lookahead import StopRules, new_state
-from .profile import LookaheadProfile
-from .sampling import SamplingParams, is_real_number, shown_value
+from .profile import GREEDY, LookaheadProfile, request_profile
+from .sampling import SamplingParams, is_integer_number, is_real_number, shown_value
 from .specs import ModelDims
 
 
@@ -232,12 +232,42 @@ class Chunk:
         return self.stats is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed :meth:`Decoder.validate`: what the decoding loop and the
+    scheduler decode, every value in its one form.
+
+    Attributes:
+        prompt: the prompt's token ids, Python ints in ``[0, vocab)``, at least one.
+        max_new_tokens: int ≥ 1; prompt + new tokens fit the context.
+        profile: the request's profile: an enabled
+            :class:`~lade_export.profile.LookaheadProfile`, or
+            :data:`~lade_export.profile.GREEDY` for plain greedy decoding.
+        stop: the stop strings (a tuple; none empty).
+        stop_token_ids: frozenset of the ids that end this request.
+        sampling: :class:`~lade_export.sampling.SamplingParams` (temperature 0: greedy).
+        timeout_s: seconds, a finite number > 0, or None (no limit).
+        plan: the engine's plan for the profile's steps (:meth:`Engine.check_profile`);
+            None for plain decoding or an engine with one graph for every step.
+    """
+
+    prompt: list
+    max_new_tokens: int
+    profile: LookaheadProfile
+    stop: tuple
+    stop_token_ids: frozenset
+    sampling: SamplingParams
+    timeout_s: float | None
+    plan: str | None
+
+
 class Decoder:
     """Greedy and lookahead decoding on one engine, for any number of concurrent requests.
 
     Args:
         engine: a backend engine (see :class:`Engine`).
-        stop_token_ids: every id that ends generation (the stop token is emitted, nothing after it).
+        stop_token_ids: the ids that end a request that gives none of its own (the stop
+            token is emitted, nothing after it); a request's ``stop_token_ids`` replace them.
         max_context: the context in tokens (prompt + new tokens may not exceed it);
             default ``engine.dims.max_context``.
         tokenizer: optional (:class:`lade_export.tokenizer.Tokenizer`), to stream text
@@ -266,6 +296,12 @@ class Decoder:
     def check_request(self, prompt_len: int, max_new_tokens, profile: LookaheadProfile | None = None) -> str | None:
         """Refuse a request that cannot be served, before any work.
 
+        Args:
+            prompt_len: prompt tokens.
+            max_new_tokens: new tokens asked for.
+            profile: the request's profile, any spelling
+                :func:`~lade_export.profile.request_profile` takes (None: plain greedy).
+
         Returns:
             the engine's plan for the profile's steps (:meth:`Engine.check_profile`), None
             for plain decoding or an engine with one graph for every step.
@@ -286,7 +322,8 @@ class Decoder:
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
                 f"exceeds the model's context of {self.max_context} tokens"
             )
-        if profile is not None and profile.enabled:
+        profile = request_profile(profile)
+        if profile is not GREEDY:
             if not self.lookahead_exact:
                 raise ProfileError(f"profile {profile.name!r}: this engine computes one-token and multi-token steps "
                                    "differently (int8 activations), so lookahead would not be exact; decode without "
@@ -312,13 +349,16 @@ class Decoder:
     # -- decoding --------------------------------------------------------------------------
 
     def stream(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, *, stop=(),
-               cancel=None, timeout_s: float | None = None, sampling: SamplingParams | None = None) -> Iterator[Chunk]:
+               cancel=None, timeout_s: float | None = None, sampling: SamplingParams | None = None,
+               stop_token_ids=None) -> Iterator[Chunk]:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, step by step.
 
         Args:
             prompt_ids: int token ids, at least one (the BOS token counts).
             max_new_tokens: ≥ 1.
-            profile: a lookahead profile, or None (or a disabled one) for plain greedy decoding.
+            profile: a lookahead profile; :data:`~lade_export.profile.GREEDY` for plain
+                greedy decoding (so are None, ``"greedy"`` and a profile of ``enabled =
+                false``: :func:`~lade_export.profile.request_profile`).
             stop: stop strings (need a tokenizer; none may be empty): generation ends as
                 soon as the text contains one, even across tokens or inside a block
                 accepted in one step; the text is cut before it.
@@ -328,6 +368,8 @@ class Decoder:
                 at the first step boundary after it (``stop_reason`` ``"timeout"``).
             sampling: :class:`lade_export.sampling.SamplingParams` (None or temperature 0:
                 greedy). Lookahead with sampling keeps plain sampling's distribution.
+            stop_token_ids: the ids that end this request (an iterable of ints; empty: no
+                stop token), instead of the decoder's ``stop_token_ids``; None: the decoder's.
 
         Yields:
             :class:`Chunk` per decode step; the last one carries ``stop_reason`` and
@@ -337,27 +379,27 @@ class Decoder:
         Raises:
             GenerationError, ProfileError: see :meth:`check_request` (before any work);
                 GenerationError also for a prompt token id outside ``[0, vocab)``, an empty
-                stop string, or a ``timeout_s`` that is not a finite number > 0.
+                stop string, a ``timeout_s`` that is not a finite number > 0, ``sampling``
+                that is not a :class:`~lade_export.sampling.SamplingParams`, or
+                ``stop_token_ids`` that are not token ids of the vocabulary.
         """
-        prompt, max_new_tokens, plan = self._checked(prompt_ids, max_new_tokens, profile, stop, timeout_s)
-        return self._stream(prompt, max_new_tokens, profile, tuple(stop or ()), cancel, timeout_s, sampling, plan)
+        req = self.validate(prompt_ids, max_new_tokens, profile, stop, timeout_s, sampling=sampling,
+                            stop_token_ids=stop_token_ids)
+        return self._stream(req, cancel)
 
-    def validate(self, prompt_ids, max_new_tokens, profile=None, stop=(), timeout_s=None) -> tuple[list[int], int]:
+    def validate(self, prompt_ids, max_new_tokens, profile=None, stop=(), timeout_s=None, *, sampling=None,
+                 stop_token_ids=None) -> CheckedRequest:
         """The checks of :meth:`stream` before any work (also the scheduler's,
         :class:`lade_export.scheduler.Scheduler`).
 
         Returns:
-            ``(prompt ids as Python ints, max_new_tokens as an int)``.
+            :class:`CheckedRequest`: the request's values in their one form.
 
         Raises:
             GenerationError, ProfileError: as :meth:`stream`.
         """
-        prompt, max_new_tokens, _ = self._checked(prompt_ids, max_new_tokens, profile, stop, timeout_s)
-        return prompt, max_new_tokens
-
-    def _checked(self, prompt_ids, max_new_tokens, profile, stop, timeout_s) -> tuple[list[int], int, str | None]:
-        """:meth:`validate`, also returning the engine's plan for the profile's steps."""
         prompt = [int(t) for t in prompt_ids]
+        profile = request_profile(profile)
         plan = self.check_request(len(prompt), max_new_tokens, profile)
         max_new_tokens = int(max_new_tokens)
         if timeout_s is not None and not (is_real_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -369,19 +411,41 @@ class Decoder:
             raise GenerationError(f"token id {outside} is outside the vocabulary (0..{self.dims.vocab - 1})")
         if stop and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
-        return prompt, max_new_tokens, plan
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise GenerationError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        return CheckedRequest(prompt, max_new_tokens, profile, tuple(stop or ()), self.request_stop_ids(stop_token_ids),
+                              sampling or SamplingParams(), timeout_s, plan)
 
-    def _stream(self, prompt, max_new_tokens, profile, stop, cancel, timeout_s, sampling, plan) -> Iterator[Chunk]:
+    def request_stop_ids(self, stop_token_ids=None) -> frozenset:
+        """The stop ids of a request: ``stop_token_ids`` checked (an iterable of token ids;
+        empty: none), or the decoder's for None.
+
+        Raises:
+            GenerationError: not an iterable of integers, or an id outside ``[0, vocab)``.
+        """
+        if stop_token_ids is None:
+            return self.stop_token_ids
+        vocab = self.dims.vocab
+        shape = f"stop_token_ids must be a list of token ids (integers 0..{vocab - 1})"
+        if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+            raise GenerationError(f"{shape}, got {shown_value(stop_token_ids)}")
+        ids = list(stop_token_ids)
+        bad = next((t for t in ids if not is_integer_number(t) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise GenerationError(f"{shape}, got {shown_value(bad)}")
+        return frozenset(int(t) for t in ids)
+
+    def _stream(self, req: CheckedRequest, cancel) -> Iterator[Chunk]:
         t0 = time.perf_counter()
-        deadline = t0 + timeout_s if timeout_s is not None else None
+        prompt, max_new_tokens, profile, plan = req.prompt, req.max_new_tokens, req.profile, req.plan
+        deadline = t0 + req.timeout_s if req.timeout_s is not None else None
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
-        text = TextStream(detok, stop)
-        rules = StopRules(self.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
-        state = new_state(profile, self.dims.vocab, prompt, rules, sampling)
-        stats = GenerationStats(prompt_tokens=len(prompt), decoding=sampling.describe() if sampling else "greedy")
-        widest = profile.max_step if profile is not None else 1
+        text = TextStream(detok, req.stop)
+        rules = StopRules(req.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
+        state = new_state(profile, self.dims.vocab, prompt, rules, req.sampling)
+        stats = GenerationStats(prompt_tokens=len(prompt), decoding=req.sampling.describe())
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens, layout=self.engine.kv_layout,
-                        step_room=widest)
+                        step_room=profile.max_step)
         key = id(cache)
         # the request's steps carry the engine's plan for its profile (none: the engine's own choice)
         run = self.engine.run if plan is None else functools.partial(self.engine.run, plan=plan)
@@ -435,7 +499,8 @@ class Decoder:
 
     def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None,
                  on_tokens: Callable[[list], None] | None = None, *, stop=(), cancel=None,
-                 timeout_s: float | None = None, sampling: SamplingParams | None = None) -> GenerationResult:
+                 timeout_s: float | None = None, sampling: SamplingParams | None = None,
+                 stop_token_ids=None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see :meth:`stream`).
 
         Args:
@@ -448,7 +513,7 @@ class Decoder:
             GenerationError, ProfileError: see :meth:`check_request` (before any work).
         """
         return collect(self.stream(prompt_ids, max_new_tokens, profile, stop=stop, cancel=cancel,
-                                   timeout_s=timeout_s, sampling=sampling), on_tokens)
+                                   timeout_s=timeout_s, sampling=sampling, stop_token_ids=stop_token_ids), on_tokens)
 
 
 def collect(chunks, on_tokens: Callable[[list], None] | None = None) -> GenerationResult:

@@ -295,7 +295,8 @@ class Scheduler:
     # -- requests ---------------------------------------------------------------------------
 
     def stream(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, *, stop=(),
-               cancel=None, timeout_s: float | None = None, sampling: SamplingParams | None = None) -> Iterator[Chunk]:
+               cancel=None, timeout_s: float | None = None, sampling: SamplingParams | None = None,
+               stop_token_ids=None) -> Iterator[Chunk]:
         """Submit a request; returns its chunks (as :meth:`lade_export.runtime.Decoder.stream`).
 
         Arguments, chunks and errors as :meth:`lade_export.runtime.Decoder.stream`; the
@@ -310,19 +311,20 @@ class Scheduler:
                 (``kv_tokens``), and after :meth:`close`.
         """
         d = self.decoder
-        prompt, max_new_tokens = d.validate(prompt_ids, max_new_tokens, profile, stop, timeout_s)
-        need = len(prompt) + max_new_tokens
+        checked = d.validate(prompt_ids, max_new_tokens, profile, stop, timeout_s, sampling=sampling,
+                             stop_token_ids=stop_token_ids)
+        prompt = checked.prompt
+        need = len(prompt) + checked.max_new_tokens
         if need > self.kv_tokens:
             raise GenerationError(f"prompt + max_new_tokens ({need} tokens) exceed the scheduler's KV pool of "
                                   f"{self.kv_tokens} tokens (kv_tokens); ask for fewer tokens or a larger pool")
-        widest = profile.max_step if profile is not None and profile.enabled else 1
         detok = d.tokenizer.detokenizer() if d.tokenizer is not None else None
-        text = TextStream(detok, tuple(stop or ()))
-        rules = StopRules(d.stop_token_ids, max_new_tokens, text.push if detok is not None else None)
-        state = new_state(profile, d.dims.vocab, prompt, rules, sampling)
-        stats = GenerationStats(prompt_tokens=len(prompt), decoding=sampling.describe() if sampling else "greedy")
-        deadline = time.perf_counter() + timeout_s if timeout_s is not None else None
-        req = _Request(next(self._ids), prompt, state, text, stats, cancel, deadline, widest, need)
+        text = TextStream(detok, checked.stop)
+        rules = StopRules(checked.stop_token_ids, checked.max_new_tokens, text.push if detok is not None else None)
+        state = new_state(checked.profile, d.dims.vocab, prompt, rules, checked.sampling)
+        stats = GenerationStats(prompt_tokens=len(prompt), decoding=checked.sampling.describe())
+        deadline = time.perf_counter() + checked.timeout_s if checked.timeout_s is not None else None
+        req = _Request(next(self._ids), prompt, state, text, stats, cancel, deadline, checked.profile.max_step, need)
         with self._cond:
             if self._closing:
                 raise GenerationError("the scheduler is closed")

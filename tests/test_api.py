@@ -13,7 +13,8 @@ import pytest
 
 import lade_export
 from lade_export.errors import GenerationError, ProfileError
-from lade_export.profile import LookaheadProfile
+from lade_export.profile import GREEDY, LookaheadProfile, bundled_profiles_dir, load_profile, request_profile
+from lade_export.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +73,63 @@ def test_inline_profiles_with_four_numbers_and_greedy(model, reference_greedy):
     plain = model.generate(ids, max_new_tokens=48, lookahead=False)
     assert plain.token_ids == expected and plain.stats.steps == 48
     assert model.generate(ids, max_new_tokens=48, profile=LookaheadProfile(3, 3, 3)).token_ids == expected
+
+
+def test_every_spelling_of_plain_greedy_is_the_greedy_profile(model, reference_greedy):
+    off = load_profile(bundled_profiles_dir() / "greedy-only.toml")  # enabled = false
+    assert off.name == "greedy-only" and not off.enabled
+    spellings = [model.resolve_profile("greedy"), model.resolve_profile(GREEDY), model.resolve_profile(off),
+                 model.resolve_profile("small", lookahead=False), model.resolve_profile(None, lookahead=False),
+                 request_profile(None), request_profile("greedy"), request_profile(LookaheadProfile(3, 4, 2, enabled=False))]
+    assert all(p is GREEDY for p in spellings)
+    assert model.resolve_profile(None) is model.default_profile and model.resolve_profile("small").name == "small"
+    case = _oracle(reference_greedy, 2)
+    for kwargs in (dict(profile="greedy"), dict(profile=GREEDY), dict(profile=off), dict(lookahead=False),
+                   dict(profile="small", lookahead=False)):
+        result = model.generate(case["prompt_ids"], max_new_tokens=40, **kwargs)
+        assert result.token_ids == case["greedy_ids"][:40] and result.stats.steps == 40, kwargs
+    look = model.generate(case["prompt_ids"], max_new_tokens=40, profile="default")
+    assert look.token_ids == case["greedy_ids"][:40] and look.stats.steps < 40
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "scheduler"])
+def test_stop_token_ids_are_per_request(stories_artifact, reference_greedy, batching):
+    """Concurrent requests with their own stop ids each stop at their own first one, as
+    plain greedy decoding does; a request that gives none keeps the artifact's (the
+    oracle has no EOS in its 128 tokens, so it runs to the end)."""
+    case = _oracle(reference_greedy, 0)
+    ids = case["greedy_ids"]
+    specs = [([426], "default"), ([13, 426], "small"), ((), "default"), (None, "small"), ([ids[20]], "greedy")]
+    with lade_export.load(stories_artifact, batching=batching) as model:
+        assert model.decoder.stop_token_ids == frozenset([2])
+        results = [None] * len(specs)
+
+        def run(i, stops, profile):
+            results[i] = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile, stop_token_ids=stops)
+
+        threads = [threading.Thread(target=run, args=(i, *spec)) for i, spec in enumerate(specs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert model.decoder.stop_token_ids == frozenset([2])
+    for (stops, profile), result in zip(specs, results):
+        end = min((ids.index(t) + 1 for t in stops or () if t in ids), default=128)
+        assert result.token_ids == ids[:end], (stops, profile)
+        assert result.stop_reason == ("stop_token" if end < 128 else "max_new_tokens"), (stops, profile)
+    assert len(results[0].token_ids) == ids.index(426) + 1 < 128
+
+
+def test_sampling_object_and_flat_keywords_decode_alike(model, reference_greedy):
+    case = _oracle(reference_greedy, 1)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    for profile in ("greedy", "small"):
+        by_object = model.generate(case["prompt_ids"], max_new_tokens=32, profile=profile, sampling=params)
+        flat = model.generate(case["prompt_ids"], max_new_tokens=32, profile=profile, temperature=0.9, top_p=0.9,
+                              seed=5)
+        assert by_object.token_ids == flat.token_ids and by_object.stats.decoding == "sampling T=0.9 top-p 0.9 seed 5"
+    greedy = model.generate(case["prompt_ids"], max_new_tokens=32, sampling=SamplingParams())
+    assert greedy.token_ids == case["greedy_ids"][:32] and greedy.stats.decoding == "greedy"
 
 
 def _shortest_prefix_containing(tok, ids, stop):
@@ -222,6 +280,16 @@ def test_unknown_backend_and_dtype_are_refused(stories_artifact):
     (dict(profile="nope"), ProfileError, "profile file not found: nope"),
     (dict(profile="100,5,100"), ProfileError, "its largest step (801 tokens) does not fit the model's context of 512"),
     (dict(chat=True), GenerationError, "this model has no chat template; pass plain text (--no-chat)"),
+    (dict(stop_token_ids=[2, 512]), GenerationError,
+     "stop_token_ids must be a list of token ids (integers 0..511), got 512"),
+    (dict(stop_token_ids="2"), GenerationError, "stop_token_ids must be a list of token ids (integers 0..511), got '2'"),
+    (dict(stop_token_ids=2), GenerationError, "stop_token_ids must be a list of token ids (integers 0..511), got 2"),
+    (dict(stop_token_ids=[True]), GenerationError,
+     "stop_token_ids must be a list of token ids (integers 0..511), got True"),
+    (dict(sampling=SamplingParams(0.8), temperature=0.8, seed=1), GenerationError,
+     "give sampling= or temperature=, seed=, not both (sampling= holds temperature, top_k, top_p and seed)"),
+    (dict(sampling={"temperature": 0.8}), GenerationError, "sampling must be a SamplingParams, got dict"),
+    (dict(temperature=-1), GenerationError, "temperature must be a number ≥ 0, got -1"),
 ])
 def test_bad_requests_fail_before_any_work(model, kwargs, error, message):
     with pytest.raises(error) as info:

@@ -4,7 +4,7 @@ state is per generation, and bad requests fail before any work."""
 import pytest
 
 from lade_export.errors import GenerationError
-from lade_export.profile import LookaheadProfile, resolve_profile
+from lade_export.profile import GREEDY, LookaheadProfile, resolve_profile
 
 PROFILES = [resolve_profile("default"), resolve_profile("small"), resolve_profile("paper"), LookaheadProfile(1, 2, 0),
             LookaheadProfile(4, 2, 6)]
@@ -12,36 +12,23 @@ PROFILES = [resolve_profile("default"), resolve_profile("small"), resolve_profil
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_lookahead_equals_reference_greedy_oracle(stories_decoder, reference_greedy, profile):
-    decoder = stories_decoder
-    decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
-    try:
-        for case in reference_greedy["cases"]:
-            result = decoder.generate(case["prompt_ids"], 128, profile)
-            assert result.token_ids == case["greedy_ids"], case["prompt"]
-            assert result.stats.new_tokens == 128
-            assert sum(k * v for k, v in result.stats.acceptance_histogram.items()) == 128
-    finally:
-        decoder.stop_token_ids = frozenset([2])
+    for case in reference_greedy["cases"]:  # stop ids off: the oracle ignores EOS
+        result = stories_decoder.generate(case["prompt_ids"], 128, profile, stop_token_ids=())
+        assert result.token_ids == case["greedy_ids"], case["prompt"]
+        assert result.stats.new_tokens == 128
+        assert sum(k * v for k, v in result.stats.acceptance_histogram.items()) == 128
 
 
 def test_greedy_mode_equals_oracle_and_compresses_nothing(stories_decoder, reference_greedy):
     case = reference_greedy["cases"][0]
-    stories_decoder.stop_token_ids = frozenset()
-    try:
-        result = stories_decoder.generate(case["prompt_ids"], 128, None)
-    finally:
-        stories_decoder.stop_token_ids = frozenset([2])
+    result = stories_decoder.generate(case["prompt_ids"], 128, GREEDY, stop_token_ids=())
     assert result.token_ids == case["greedy_ids"]
     assert result.stats.steps == 128 and result.stats.compression_ratio == 1.0
 
 
 def test_lookahead_compresses_on_stories(stories_decoder, reference_greedy):
     case = reference_greedy["cases"][1]
-    stories_decoder.stop_token_ids = frozenset()
-    try:
-        result = stories_decoder.generate(case["prompt_ids"], 128, resolve_profile("default"))
-    finally:
-        stories_decoder.stop_token_ids = frozenset([2])
+    result = stories_decoder.generate(case["prompt_ids"], 128, resolve_profile("default"), stop_token_ids=())
     assert result.stats.steps < 100
     assert result.stats.compression_ratio > 1.25
 
@@ -61,16 +48,12 @@ def test_stop_token_accepted_mid_block_ends_output_there(stories_decoder, refere
     profile = resolve_profile("default")
     case = reference_greedy["cases"][1]
     blocks, blocks_after = [], []
-    stories_decoder.stop_token_ids = frozenset()
-    try:
-        stories_decoder.generate(case["prompt_ids"], 128, profile, on_tokens=blocks.append)
-        stop = _fresh_mid_block_token(blocks)
-        assert stop is not None, "no multi-token block with a fresh middle token"
-        stories_decoder.stop_token_ids = frozenset([stop])
-        look = stories_decoder.generate(case["prompt_ids"], 128, profile, on_tokens=blocks_after.append)
-        greedy = stories_decoder.generate(case["prompt_ids"], 128, None)
-    finally:
-        stories_decoder.stop_token_ids = frozenset([2])
+    stories_decoder.generate(case["prompt_ids"], 128, profile, on_tokens=blocks.append, stop_token_ids=())
+    stop = _fresh_mid_block_token(blocks)
+    assert stop is not None, "no multi-token block with a fresh middle token"
+    look = stories_decoder.generate(case["prompt_ids"], 128, profile, on_tokens=blocks_after.append,
+                                    stop_token_ids=[stop])
+    greedy = stories_decoder.generate(case["prompt_ids"], 128, GREEDY, stop_token_ids=[stop])
     expected = case["greedy_ids"][: case["greedy_ids"].index(stop) + 1]
     assert look.token_ids == expected == greedy.token_ids
     assert look.stop_reason == "stop_token" and look.token_ids[-1] == stop
@@ -83,11 +66,7 @@ def test_several_stop_ids_all_count(stories_decoder, reference_greedy):
     case = reference_greedy["cases"][0]
     ids = case["greedy_ids"]
     first_a, first_b = ids.index(426), ids.index(13)  # "." and newline
-    stories_decoder.stop_token_ids = frozenset([426, 13])
-    try:
-        result = stories_decoder.generate(case["prompt_ids"], 128, resolve_profile("small"))
-    finally:
-        stories_decoder.stop_token_ids = frozenset([2])
+    result = stories_decoder.generate(case["prompt_ids"], 128, resolve_profile("small"), stop_token_ids=[426, 13])
     assert result.token_ids == ids[: min(first_a, first_b) + 1]
 
 

@@ -16,7 +16,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
-from lade_export.profile import LookaheadProfile
+from lade_export.profile import GREEDY, LookaheadProfile
 from lade_export.sampling import SamplingParams, SamplingRule, filtered_probs
 
 # The pool's n-grams keyed by "The" (from the prompt) are the model's likely continuations,
@@ -75,10 +75,12 @@ def chi_square(samples: list[tuple], exact: ExactDistribution, prompt: list) -> 
 
 
 def draw(decoder, prompt, params, profile, n_tokens, draws=DRAWS):
+    """``draws`` seeded samples of ``n_tokens`` after ``prompt``, stop ids off (every
+    sample has ``n_tokens`` tokens, as the exact distribution counts them)."""
     samples, checked, accepted, steps = [], 0, 0, 0
     for seed in range(draws):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
-        r = decoder.generate(prompt, n_tokens, profile, sampling=p)
+        r = decoder.generate(prompt, n_tokens, profile, sampling=p, stop_token_ids=())
         samples.append(tuple(r.token_ids))
         checked += r.stats.drafts_checked
         accepted += r.stats.drafts_accepted
@@ -91,17 +93,10 @@ def prompt_ids(stories_decoder):
     return stories_decoder.tokenizer.encode(PROMPT)
 
 
-@pytest.fixture()
-def no_stop(stories_decoder):
-    stories_decoder.stop_token_ids = frozenset()
-    yield stories_decoder
-    stories_decoder.stop_token_ids = frozenset([2])
-
-
 @pytest.mark.parametrize("params", SETTINGS, ids=["T0.8-top_p0.9", "T1.0-top_k20"])
-def test_plain_sampling_matches_the_exact_distribution(no_stop, prompt_ids, params):
-    exact = ExactDistribution(no_stop.engine, params)
-    samples, checked, _, steps = draw(no_stop, prompt_ids, params, None, 3)
+def test_plain_sampling_matches_the_exact_distribution(stories_decoder, prompt_ids, params):
+    exact = ExactDistribution(stories_decoder.engine, params)
+    samples, checked, _, steps = draw(stories_decoder, prompt_ids, params, None, 3)
     stat, critical, df = chi_square(samples, exact, prompt_ids)
     assert checked == 0 and steps == 3 * DRAWS
     assert stat < critical, f"chi-square {stat:.1f} ≥ {critical:.1f} (df {df})"
@@ -109,9 +104,9 @@ def test_plain_sampling_matches_the_exact_distribution(no_stop, prompt_ids, para
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 @pytest.mark.parametrize("params", SETTINGS, ids=["T0.8-top_p0.9", "T1.0-top_k20"])
-def test_lookahead_sampling_matches_the_exact_distribution(no_stop, prompt_ids, params, profile):
-    exact = ExactDistribution(no_stop.engine, params)
-    samples, checked, accepted, steps = draw(no_stop, prompt_ids, params, profile, 3)
+def test_lookahead_sampling_matches_the_exact_distribution(stories_decoder, prompt_ids, params, profile):
+    exact = ExactDistribution(stories_decoder.engine, params)
+    samples, checked, accepted, steps = draw(stories_decoder, prompt_ids, params, profile, 3)
     stat, critical, df = chi_square(samples, exact, prompt_ids)
     print(f"\n{profile.name} {params.describe()}: {checked} candidate tokens checked, {accepted} accepted, "
           f"{3 * DRAWS / steps:.2f} tokens per step; chi-square {stat:.1f} < {critical:.1f} (df {df})")
@@ -121,24 +116,24 @@ def test_lookahead_sampling_matches_the_exact_distribution(no_stop, prompt_ids, 
 
 
 @pytest.mark.parametrize("params", SETTINGS[1:], ids=["T1.0-top_k20"])
-def test_a_token_after_a_forced_prefix_matches(no_stop, prompt_ids, params):
+def test_a_token_after_a_forced_prefix_matches(stories_decoder, prompt_ids, params):
     """Greedy tokens are forced into the context (at least eight, up to one the pool has
     candidates after); the next sampled token, at a later position of the answer, has the
     exact distribution under lookahead."""
     from lade_export.lookahead import LookaheadState
 
-    greedy = no_stop.generate(prompt_ids, 48, None).token_ids
+    greedy = stories_decoder.generate(prompt_ids, 48, GREEDY, stop_token_ids=()).token_ids
     k = next(k for k in range(8, 48)
              if LookaheadState(PROFILES[0], 512, prompt_ids + greedy[:k]).candidates(greedy[k - 1]))
     context = prompt_ids + greedy[:k]
-    exact = ExactDistribution(no_stop.engine, params)
-    samples, checked, _, _ = draw(no_stop, context, params, PROFILES[0], 1)
+    exact = ExactDistribution(stories_decoder.engine, params)
+    samples, checked, _, _ = draw(stories_decoder, context, params, PROFILES[0], 1)
     stat, critical, df = chi_square(samples, exact, context)
     assert checked >= DRAWS // 2
     assert stat < critical, f"chi-square {stat:.1f} ≥ {critical:.1f} (df {df})"
 
 
-def test_accepting_the_argmax_candidate_fails_the_same_test(no_stop, prompt_ids, monkeypatch):
+def test_accepting_the_argmax_candidate_fails_the_same_test(stories_decoder, prompt_ids, monkeypatch):
     """The test can fail: a verifier that accepts a candidate whenever it is the model's
     argmax (instead of with probability P(c)) over-produces the likeliest continuations."""
 
@@ -154,8 +149,8 @@ def test_accepting_the_argmax_candidate_fails_the_same_test(no_stop, prompt_ids,
     real = SamplingRule.choose
     monkeypatch.setattr(SamplingRule, "choose", wrong)
     params = SETTINGS[0]
-    exact = ExactDistribution(no_stop.engine, params)
-    samples, _, accepted, _ = draw(no_stop, prompt_ids, params, PROFILES[0], 3)
+    exact = ExactDistribution(stories_decoder.engine, params)
+    samples, _, accepted, _ = draw(stories_decoder, prompt_ids, params, PROFILES[0], 3)
     stat, critical, df = chi_square(samples, exact, prompt_ids)
     print(f"\nwrong rule (accept the argmax candidate): chi-square {stat:.1f} > {critical:.1f} (df {df})")
     assert accepted > 0

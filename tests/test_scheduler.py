@@ -93,16 +93,11 @@ def test_eight_concurrent_requests_each_equal_their_solo_run(stories_decoder, re
 
 
 def test_greedy_requests_equal_the_reference_oracle(stories_decoder, reference_greedy):
-    stops = stories_decoder.stop_token_ids
-    stories_decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
-    try:
-        scheduler = Scheduler(stories_decoder, token_budget=24, prefill_chunk=3)
-        streams = [scheduler.stream(case["prompt_ids"], 128, prof)
-                   for case in reference_greedy["cases"] for prof in (None, resolve_profile("default"))]
-        results = [collect(s) for s in streams]
-        scheduler.close()
-    finally:
-        stories_decoder.stop_token_ids = stops
+    scheduler = Scheduler(stories_decoder, token_budget=24, prefill_chunk=3)
+    streams = [scheduler.stream(case["prompt_ids"], 128, prof, stop_token_ids=())  # the oracle ignores EOS
+               for case in reference_greedy["cases"] for prof in (None, resolve_profile("default"))]
+    results = [collect(s) for s in streams]
+    scheduler.close()
     expected = [case["greedy_ids"] for case in reference_greedy["cases"] for _ in range(2)]
     assert [r.token_ids for r in results] == expected
 

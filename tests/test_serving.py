@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from lade_export.errors import ArtifactError, BackendUnavailableError, GenerationError, ProfileError, ServingError
-from lade_export.profile import resolve_profile
+from lade_export.profile import GREEDY, resolve_profile
 from lade_export.runtime import Chunk, GenerationStats
+from lade_export.sampling import SamplingParams
 from lade_export.serving import protocol
 from lade_export.serving.repository import MARKER, render_config, write_model_repository
 
@@ -84,11 +85,11 @@ def test_parse_request_reads_every_input_and_defaults():
                                          stop=["\n\n", "."]), SETTINGS)
     assert (req.prompt, req.chat, req.max_new_tokens, req.profile, req.stop) == ("Hi", False, 7, "small", ["\n\n", "."])
     kwargs = req.stream_kwargs(SETTINGS)
-    assert kwargs["profile"] == resolve_profile("small") and kwargs["lookahead"] is True
+    assert kwargs["profile"] == resolve_profile("small") and kwargs["sampling"] == SamplingParams()
     req = protocol.parse_request(_inputs(prompt_token_ids=np.array([1, 5, 9], dtype=np.int64)), SETTINGS)
     assert (req.prompt, req.chat, req.max_new_tokens, req.profile, req.stop) == ([1, 5, 9], None, 16, "default", [])
     greedy = protocol.parse_request(_inputs(prompt="x", profile="greedy"), SETTINGS).stream_kwargs(SETTINGS)
-    assert greedy["profile"] is None and greedy["lookahead"] is False
+    assert greedy["profile"] is GREEDY and "lookahead" not in greedy  # the one spelling of plain greedy
 
 
 @pytest.mark.parametrize("values, error, message", [

@@ -266,16 +266,11 @@ def _lookahead_runs_without_stops(decoder, reference_greedy, max_new_tokens, **s
     """Every reference case with the default and paper profiles, all at once through one
     Scheduler(decoder, **scheduler_options), stop ids off (the oracle ignores EOS); returns
     the closed scheduler and the results in case × profile order."""
-    stops = decoder.stop_token_ids
-    decoder.stop_token_ids = frozenset()
-    try:
-        scheduler = Scheduler(decoder, **scheduler_options)
-        streams = [scheduler.stream(case["prompt_ids"], max_new_tokens, resolve_profile(p))
-                   for case in reference_greedy["cases"] for p in ("default", "paper")]
-        results = [collect(s) for s in streams]
-        scheduler.close()
-    finally:
-        decoder.stop_token_ids = stops
+    scheduler = Scheduler(decoder, **scheduler_options)
+    streams = [scheduler.stream(case["prompt_ids"], max_new_tokens, resolve_profile(p), stop_token_ids=())
+               for case in reference_greedy["cases"] for p in ("default", "paper")]
+    results = [collect(s) for s in streams]
+    scheduler.close()
     return scheduler, results
 
 

@@ -24,11 +24,13 @@ import numpy as np
 
 from ..errors import GenerationError, ProfileError, ServingError
 from ..sampling import SamplingParams
+from ..profile import GREEDY as GREEDY_PROFILE
 from ..profile import LookaheadProfile
 from ..scheduler import TOKEN_BUDGET
 
-#: The profile name that means plain greedy decoding (no lookahead) on the server.
-GREEDY = "greedy"
+#: The profile name that means plain greedy decoding (no lookahead) on the server: the name
+#: of :data:`lade_export.profile.GREEDY`.
+GREEDY = GREEDY_PROFILE.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,18 +258,15 @@ class Request:
     parse_special_in_messages: bool = False
 
     def stream_kwargs(self, settings: ServingSettings) -> dict:
-        """Keyword arguments of :meth:`lade_export.api.Model.stream` (after the prompt)."""
-        greedy = self.profile == GREEDY
+        """Keyword arguments of :meth:`lade_export.api.Model.stream` (after the prompt):
+        the profile object (:data:`lade_export.profile.GREEDY` for ``greedy``) and the
+        :class:`~lade_export.sampling.SamplingParams`."""
         return {
             "chat": self.chat,
             "max_new_tokens": self.max_new_tokens,
-            "profile": None if greedy else settings.profiles[self.profile],
-            "lookahead": not greedy,
+            "profile": GREEDY_PROFILE if self.profile == GREEDY else settings.profiles[self.profile],
+            "sampling": self.sampling,
             "stop": list(self.stop),
-            "temperature": self.sampling.temperature,
-            "top_k": self.sampling.top_k,
-            "top_p": self.sampling.top_p,
-            "seed": self.sampling.seed,
             "parse_special_in_messages": self.parse_special_in_messages,
         }
 
