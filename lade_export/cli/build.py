@@ -15,7 +15,7 @@ import click
 
 from ..kernels import COMPUTE, KERNELS
 from ..profile import bundled_profile_names
-from . import _artifact_dir, _artifact_out, _console, _profiles, main
+from .common import _artifact_dir, _artifact_out, _console, _profiles, main
 
 
 @main.command()

@@ -10,7 +10,7 @@ import click
 
 from ..backends import DTYPES
 from ..errors import ArtifactError, GenerationError
-from . import _artifact_dir, _backend, _device, _engine_threads, main
+from .common import _artifact_dir, _backend, _device, _engine_threads, main
 
 
 def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):

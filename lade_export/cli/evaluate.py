@@ -13,7 +13,7 @@ import click
 from ..backends import DTYPES
 from ..errors import GenerationError, ProfileError
 from ..profile import bundled_profiles_dir, resolve_profile
-from . import _artifact_dir, _backend, _device, _load, _threads, main
+from .common import _artifact_dir, _backend, _device, _load, _threads, main
 
 
 @main.command()

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import ProfileError
-from . import _artifact_dir, _engine_threads, _kv_tokens, _token_budget, main
+from .common import _artifact_dir, _engine_threads, _kv_tokens, _token_budget, main
 
 
 @main.command()

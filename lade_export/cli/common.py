@@ -1,0 +1,126 @@
+"""What the commands share: the ``lade-export`` group (``main``), which turns typed errors,
+usage errors and interrupts into one-line messages and exit codes, the options several
+commands declare alike, and small helpers (the stderr console, ``--profile`` values, an
+artifact opened for decoding). The command modules add their commands to ``main``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..backends import BACKENDS
+from ..errors import LadeError, ProfileError
+from ..profile import resolve_profile
+
+#: Modules of the optional extras (pyproject.toml) -> the extra that installs them.
+_EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export", "gguf": "export",
+           "accelerate": "export", "onnx": "export", "onnxscript": "export", "onnxslim": "export",
+           "polygraphy": "export", "matplotlib": "bench", "tritonclient": "serve", "starlette": "http",
+           "uvicorn": "http", "prometheus_client": "http"}
+
+
+class _Group(click.Group):
+    """Turns typed errors, usage errors and interrupts into one-line messages and exit codes."""
+
+    def main(self, *args, **kwargs):
+        kwargs.setdefault("standalone_mode", False)
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Exit as done:
+            sys.exit(done.exit_code)
+        except click.exceptions.NoArgsIsHelpError as err:  # a bare group: its help, as click prints it
+            click.echo(err.format_message(), err=True)
+            sys.exit(2)
+        except click.UsageError as err:
+            # the command as it was run, as click's own usage lines name it ("lade-export serve",
+            # "python -m lade_export.cli serve"): the hint runs as written where the error appeared
+            where = err.ctx.command_path if err.ctx else "lade-export"
+            click.echo(f"error: {err.format_message()} (see: {where} --help)", err=True)
+            sys.exit(2)
+        except click.ClickException as err:
+            click.echo(f"error: {err.format_message()}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LadeError as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(err.exit_code)
+        except ModuleNotFoundError as err:
+            extra = _EXTRAS.get((err.name or "").split(".")[0])
+            if extra is None:
+                raise
+            click.echo(f"error: lade-export {ctx.invoked_subcommand} needs {err.name}, which this install lacks: "
+                       f"pip install 'lade-export[{extra}]'", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt as err:
+            message = "error: interrupted"
+            if ctx.invoked_subcommand in ("build", "export"):
+                message = f"error: {err}" if str(err).startswith("interrupted after") else \
+                    "error: interrupted; nothing was written"
+            click.echo(message, err=True)
+            sys.exit(130)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+# Parameters that several commands declare alike, written once. Each use of one of these
+# decorators adds a parameter of its own to its command (click makes a new Option per use),
+# so a command's --help is what it was when each command wrote them out.
+_artifact_dir = click.argument("artifact_dir", type=click.Path(path_type=Path))  # the commands that read a build
+_artifact_out = click.option("--out", required=True, type=click.Path(path_type=Path),
+                             help="Artifact directory to create.")  # build, export
+_backend = click.option("--backend", type=click.Choice(BACKENDS), default="ort",
+                        show_default=True)  # generate, compare, tune
+_device = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu",
+                       show_default=True)  # generate, compare
+_engine_threads = click.option("--threads", type=click.IntRange(min=1), default=None,
+                               help="Engine threads (default: one per core).")  # generate, serve
+_threads = click.option("--threads", type=click.IntRange(min=1), default=None)  # compare, tune
+_token_budget = click.option("--token-budget", type=click.IntRange(min=1), default=None,
+                             help="Scheduler: rows of a pass that holds decode steps (default 64).")  # triton, serve
+
+
+def _kv_tokens(help: str):
+    """``--kv-tokens`` of triton and serve: the same option; its help names each command's
+    own request limit."""
+    return click.option("--kv-tokens", type=click.IntRange(min=1), default=None, help=help)
+
+
+@click.group(cls=_Group, name="lade-export")  # the name click's test runner gives the program
+@click.version_option(package_name="lade-export")
+def main():
+    """Export LLaMA decoder steps for exact lookahead decoding, build engines, generate, compare."""
+
+
+def _profiles(values) -> list:
+    """The ``--profile`` values resolved (none: the shipped ``default``), each name once.
+
+    Raises:
+        ProfileError: a value does not resolve, or two name the same profile.
+    """
+    profiles = [resolve_profile(v) for v in (values or ("default",))]
+    names = [p.name for p in profiles]
+    for name in names:
+        if names.count(name) > 1:
+            raise ProfileError(f"profile {name!r} is given twice; each --profile needs its own name")
+    return profiles
+
+
+def _load(artifact_dir, backend, device, dtype, threads):
+    """The artifact opened for decoding (:func:`lade_export.api.load`): a
+    :class:`lade_export.api.Model`, whose ``artifact``, ``tokenizer`` and ``decoder`` the
+    benchmark commands use."""
+    from ..api import load
+
+    return load(artifact_dir, backend, threads=threads, device=device, dtype=dtype)
