@@ -15,6 +15,13 @@ cache, its algorithm state, its text stream and the engine's plan for its profil
 (:meth:`Engine.check_profile`, passed with each of its steps), so one decoder (one engine) serves
 requests from several threads at once; ONNX Runtime allows concurrent ``Run`` calls on
 one session and releases the GIL while it runs. Nothing here imports PyTorch.
+
+Length (over the package's ~400 lines, about half of it docstrings): this module is the
+decoding contract, read as one — the interface every backend implements (:class:`Engine`,
+member by member; the README and the backends cite it as ``lade_export.runtime.Engine``),
+a request as the loop and the scheduler decode it (:class:`CheckedRequest`), the result
+types (:class:`GenerationStats`, :class:`GenerationResult`, :class:`Chunk`) and the loop
+(:class:`Decoder`).
 """
 
 from __future__ import annotations

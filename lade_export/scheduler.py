@@ -27,41 +27,20 @@ admits and retires requests between iterations):
   for a chunk and finds no pass running runs the next one for everybody; the others wait
   for their chunks. No pass runs while no reader waits.
 
-Why this formulation (measured, ``bench/batched_step_options.py``, SmolLM2-135M on a
-shared 2-core CPU, medians of interleaved rounds; ``bench/results/serving-batched.md``):
-
-=====================================  ===================  ==========================
-B requests, w rows, context C           serial / packed      packed / per-request bound
-=====================================  ===================  ==========================
-fp32, B=2, w=1, C=256                   1.67–1.99×           0.94–1.13
-fp32, B=4, w=1, C=256                   2.55–2.97×           1.08–1.36
-fp32, B=4, w=11, C=256                  1.25–1.30×           1.54–1.61
-int8 (lade), B=4, w=1, C=128            2.57× → 2.85×        1.79 → 1.21
-int8 (lade), B=8, w=1, C=128            2.68× → 3.69×        1.79 → 1.25
-int8 (lade), B=4, w=1, C=384            1.86× → 2.41×        1.96 → 1.45
-int8 (lade), B=8, w=1, C=384            1.55× → 2.25×        3.29 → 1.62
-int8 (lade), B=8, w=1, C=1024           0.76× → 1.72×        5.61 → 2.06
-int8 (lade), B=4, w=11, C=384           1.01× → 1.39×        1.60 → 1.06
-int8 (lade), B=8, w=11, C=384           0.65× → 1.32×        2.16 → 1.17
-=====================================  ===================  ==========================
-
-``serial`` is today's path (one pass per request), ``packed`` one pass over a shared
-pool, ``bound`` the same rows over a single request's cache (what attention per request
-could at best achieve; optimistic, as its rows share one cache's keys). int8 rows: ``a → b``
-is the int8 lade build before and after attention per request (2026-12-01: the compact,
-interleaved pool with ``AttentionRows`` over every column and the graph's Transposes of the
-whole pool → per-request regions with ``AttentionRows`` skipping masked key blocks and
-reading the cache in place). Batching pays where the weight MatMuls share their reads:
-greedy-width steps. The packed pass over a pool needs no new graph input, so every
-artifact built before batches as it is (``onnx-ops`` and ONNX Runtime's
-``GroupQueryAttention``, whose kernel refuses batch > 1 for a multi-token step with a
-cache but takes a batch-1 step of any rows with a block-diagonal mask). On those engines
-its cost is attention over columns a row cannot see, growing with requests × context, so
-they keep the compact pool (:mod:`lade_export.packed`). On int8 lade builds made since
-2026-12-01 a row's attention costs its own request's key blocks (each request one
-contiguous region of the pool, ``TokenPool(regions=True)``); what still grows with the
-pass is reading each request's own keys (the bound's rows share one cache) and the mask
-(``step × past`` bytes).
+Why this formulation (``bench/batched_step_options.py``: one packed pass over a shared pool
+against one pass per request and against the same rows over a single request's cache;
+figures in ``bench/results/serving-batched.md``): batching pays where the weight MatMuls
+share their reads, greedy-width steps above all, and less as steps widen. The packed pass
+over a pool needs no new graph input, so every artifact built before batches as it is
+(``onnx-ops`` and ONNX Runtime's ``GroupQueryAttention``, whose kernel refuses batch > 1
+for a multi-token step with a cache but takes a batch-1 step of any rows with a
+block-diagonal mask). On those engines its cost is attention over columns a row cannot
+see, growing with requests × context, so they keep the compact pool
+(:mod:`lade_export.packed`). On int8 lade builds whose ``AttentionRows`` skips fully
+masked key blocks (:attr:`lade_export.runtime.Engine.attention_skips`) a row's attention
+costs its own request's key blocks (each request one contiguous region of the pool,
+``TokenPool(regions=True)``); what still grows with the pass is reading each request's
+own keys and the mask (``step × past`` bytes).
 
 Limits: on a ``group-query-attention`` graph the pool holds at most ``max_context``
 tokens over all requests (the graph's rotary table bounds the key length of a pass).
@@ -76,16 +55,11 @@ for the rows; sampled requests keep their profile's steps (narrowing would chang
 output against their solo run). With ``"profile"`` every request's step is its profile's.
 Either way the token budget defers a step that does not fit to the next pass. A decode
 step is prepared once, at its profile (kept while the budget defers it); a narrower class
-is cut from it (:func:`lade_export.width_policy.narrowed`). Measured
-(``bench/serve_batched.py``, SmolLM2 fp32, the default profile, 4 concurrent requests,
-loaded 2-core machine): adaptive 20.5 tok/s, profile 9.5 (median of 2 alternating
-rounds), every output equal to its solo run; int4 integer path, ``default-int4``
-(``bench/results/serving.md``, 2026-12-01 second section): adaptive 0.84–0.89× batched
-greedy at 2 and 4 requests before one prepare per step and acceptance in hindsight
-(quiet machine), 0.90–1.05× by CPU time per token after (a loaded machine; not shown ≥ 1).
-``timeline=True`` records every pass's phases (:class:`PassRecord`;
-``bench/scheduler_timeline.py``): on the integer path at 4 and 8 requests the engine runs
-92–93% of a closed-loop level, host work 7%, gaps between passes under 1%.
+is cut from it (:func:`lade_export.width_policy.narrowed`). What the policy gains against
+``"profile"`` and against batched greedy is measured by ``bench/serve_batched.py``
+(docs/serving.md, *Lookahead width under load*; ``bench/results/serving.md``). ``timeline=True`` records
+every pass's phases (:class:`PassRecord`; ``bench/scheduler_timeline.py``, figures in
+``bench/results/serving.md``: where a closed-loop level's time goes).
 ``width_steps`` and ``width_passes`` count decode steps per width class and passes per
 widest class.
 
@@ -94,6 +68,12 @@ single-request :class:`~lade_export.runtime.Decoder`), token for token: each row
 attention sees exactly its own request's columns, and each MatMul row is computed from
 its own input row (the property lookahead's exactness already relies on). Tests:
 ``tests/test_scheduler.py``.
+
+Length (over the package's ~400 lines): :class:`Scheduler` is one state machine —
+admission, a pass's plan within the token budget, narrowing, the packed pass and its
+retry item by item, leaving — whose parts share the requests' state under one lock and
+the leader/follower hand-off; what stands alone already lives apart (packing and the KV
+pool in :mod:`lade_export.packed`, the width policy in :mod:`lade_export.width_policy`).
 """
 
 from __future__ import annotations
@@ -124,8 +104,7 @@ PREFILL_CHUNK = 512
 MAX_BATCH = 8
 #: Default chunks a consumer may leave unread before its request is paused.
 MAX_UNREAD = 64
-#: Default width policy (SmolLM2 fp32, the default profile, 4 concurrent requests: 2.2× the
-#: tokens/s of "profile", see docs/serving.md).
+#: Default width policy (why: docs/serving.md, *Lookahead width under load*, measured with bench/serve_batched.py).
 WIDTH_POLICY = "adaptive"
 
 class PassRecord(NamedTuple):
