@@ -242,11 +242,10 @@ def test_generate_through_tensorrt_gives_the_oracle_tokens(art10, reference_gree
     out, _ = art10
     state = install(monkeypatch, version=V10)
     with lade_export.load(out, "tensorrt") as model:
-        model.decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
         for case in reference_greedy["cases"]:
             for profile in ("wide", "small", None):
                 result = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile,
-                                        lookahead=profile is not None)
+                                        lookahead=profile is not None, stop_token_ids=())  # the oracle ignores EOS
                 assert result.token_ids == case["greedy_ids"], (case["prompt"], profile)
         assert "TensorRT 10.16.1.11 full runtime (tensorrt) on GPU 0" in model.engine.runtime_description
     assert any(e["step"] > 9 for e in state.executions)
@@ -303,7 +302,6 @@ def test_concurrent_requests_of_different_profiles_each_run_on_their_own_engine(
     case = reference_greedy["cases"][0]
     with lade_export.load(out, "tensorrt") as model:
         decoder = model.decoder
-        decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
         engine, real_run, lock = model.engine, model.engine.run, threading.Lock()
         seen = {"small": [], "wide": []}  # request -> (plan passed, engine that executed) per step
 
@@ -314,7 +312,8 @@ def test_concurrent_requests_of_different_profiles_each_run_on_their_own_engine(
             return result
 
         engine.run = spy
-        streams = {name: decoder.stream(case["prompt_ids"], 64, resolve_profile(name)) for name in ("small", "wide")}
+        streams = {name: decoder.stream(case["prompt_ids"], 64, resolve_profile(name), stop_token_ids=())  # the oracle
+                   for name in ("small", "wide")}  # ignores EOS
         barrier, results = threading.Barrier(2), {}
 
         def consume(name):
@@ -868,12 +867,11 @@ def test_a_step_uploads_only_its_tokens_positions_mask_and_logit_rows(art10, ref
 
     state = install(monkeypatch, version=V10)
     with lade_export.load(art10[0], "tensorrt") as model:
-        model.decoder.stop_token_ids = frozenset()  # the oracle ignores EOS
         case = reference_greedy["cases"][0]
         cached = 0
         for profile in ("wide", None):
             result = model.generate(case["prompt_ids"], max_new_tokens=128, profile=profile,
-                                    lookahead=profile is not None)
+                                    lookahead=profile is not None, stop_token_ids=())  # the oracle ignores EOS
             assert result.token_ids == case["greedy_ids"], profile
             cached += result.stats.cache_tokens
     steps = [e for e in state.executions if e["past"] > 0]
