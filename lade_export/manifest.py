@@ -446,7 +446,7 @@ class EngineEntry(_Section):
 
     Attributes:
         file: the plan, relative to the artifact (``engines/NAME.plan``).
-        profile: the lookahead profile it serves.
+        lookahead_profile: the lookahead profile it serves (JSON key ``profile``).
         precision: ``fp32``, ``fp16`` or ``bf16``.
         max_batch, max_prompt, max_context: the bounds of its optimization profiles
             (sequences, tokens, tokens).
@@ -465,7 +465,7 @@ class EngineEntry(_Section):
 
     AT = "engines[]"
     file: str
-    profile: LookaheadProfile | None = None
+    lookahead_profile: LookaheadProfile | None = None
     precision: str | None = None
     max_batch: int | None = None
     max_prompt: int | None = None
@@ -491,12 +491,12 @@ class EngineEntry(_Section):
         profile = r.profile(data["profile"], f"{at}.profile") if "profile" in data else None
         if file is None or ("profile" in data and profile is None):
             return None
-        return cls(file=file, profile=profile, **{k: data.get(k) for k in cls._PLAIN},
+        return cls(file=file, lookahead_profile=profile, **{k: data.get(k) for k in cls._PLAIN},
                    graph_parity=data.get("graph_parity"), sanitize=data.get("sanitize"), sha256=data.get("sha256"),
                    extra=_extra(cls, data))
 
     def to_dict(self) -> dict:
-        return {"file": self.file, **({"profile": self.profile.as_dict()} if self.profile is not None else {}),
+        return {"file": self.file, **({"profile": self.lookahead_profile.as_dict()} if self.lookahead_profile is not None else {}),
                 **_present(**{k: getattr(self, k) for k in self._PLAIN}), "graph_parity": self.graph_parity,
                 **_present(sanitize=self.sanitize, sha256=self.sha256), **self.extra}
 

@@ -146,7 +146,7 @@ def test_quantization_and_engine_sections_round_trip(stories_artifact):
     assert m.quantization.kernels.paths["float32"] == ("avx512", "portable")
     assert m.quantization.graph.bytes_after == 98767503 and m.quantization.quality.positions == 256
     (e,) = m.engines
-    assert e.profile == resolve_profile("small") and e.precision == "fp16" and e.graph_parity is None
+    assert e.lookahead_profile == resolve_profile("small") and e.precision == "fp16" and e.graph_parity is None
     assert e.optimization_profiles == plan["optimization_profiles"]
 
 

@@ -39,7 +39,7 @@ class _Plan:
 
     def __init__(self, root: Path, entry):
         self.entry = entry  # a lade_export.manifest.EngineEntry
-        self.name = entry.profile.name
+        self.name = entry.lookahead_profile.name
         self.path = root / entry.file
         self.phases = list(entry.optimization_profiles)  # index = optimization profile index
         self.shapes = entry.optimization_profiles
@@ -127,8 +127,8 @@ class TensorRTEngine:
         if not entries:
             raise ArtifactError(f"{artifact.root} has no TensorRT engines; build it with --engine tensorrt")
         if engine is not None:
-            names = [e.profile.name if e.profile else e.file for e in entries]
-            entries = [e for e in entries if e.profile is not None and e.profile.name == engine]
+            names = [e.lookahead_profile.name if e.lookahead_profile else e.file for e in entries]
+            entries = [e for e in entries if e.lookahead_profile is not None and e.lookahead_profile.name == engine]
             if not entries:
                 raise ArtifactError(f"{artifact.root} has no TensorRT engine {engine!r}; it has {', '.join(names)}")
         self.trt, self.runtime_kind = import_runtime(runtime)

@@ -143,7 +143,7 @@ def check_engine_entry(entry, module, kind: str, capability: str) -> None:
             ``--version-compatible``.
     """
     file, version = entry.file, str(module.__version__)
-    if entry.profile is None or entry.optimization_profiles is None:
+    if entry.lookahead_profile is None or entry.optimization_profiles is None:
         raise ArtifactError(f"engine {file}: its manifest entry lacks its lookahead profile or optimization "
                             "profiles; rebuild with lade-export build --engine tensorrt")
     built = entry.tensorrt_version or "?"

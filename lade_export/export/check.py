@@ -229,7 +229,7 @@ def _check_engines(artifact, engines, feeds, labels, reference, input_specs, out
 
     errors = []
     for entry in engines:
-        name = entry.profile.name
+        name = entry.lookahead_profile.name
         engine = TensorRTEngine(artifact, engine=name)
         try:
             chosen = [engine.optimization_profile_for(f) for f in feeds]
