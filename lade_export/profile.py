@@ -32,7 +32,8 @@ profile named ``greedy`` (``profile="greedy"`` where a profile is given by name)
 older spellings stay accepted — ``lookahead=False``, a profile of ``enabled = false``
 (what ``tune`` writes when no profile beats greedy), and None at the decoder, which has no
 default profile of its own — and :func:`request_profile` alone turns each of them into
-:data:`GREEDY`; the decoding loop and the scheduler test ``profile is GREEDY``.
+:data:`GREEDY` (the decoder does it once per request, for itself and the scheduler), and
+past it the package tests ``profile is GREEDY``.
 
 TOML layout (``profiles/default.toml`` in the repository, shipped with the package)::
 
@@ -78,7 +79,8 @@ class LookaheadProfile:
         lookup_min_match: shortest suffix match (tokens, 1–3) that proposes a history
             candidate.
         enabled: False makes this the plain greedy setting (what ``tune`` writes when no
-            profile beats greedy on the machine); W, N, G are then ignored.
+            profile beats greedy on the machine); W, N, G are then ignored, and a request
+            decodes with :data:`GREEDY` (:func:`request_profile`).
 
     Raises:
         ProfileError: on construction, if a value is not an int or out of range.
@@ -215,8 +217,9 @@ class LookaheadProfile:
         return "\n".join(lines)
 
 
-#: Plain greedy decoding, no lookahead: one token per step. The one spelling of it in the
-#: package; :func:`request_profile` turns every other spelling into this object.
+#: Plain greedy decoding, no lookahead: one token per step (with sampling parameters of
+#: temperature > 0, plain sampling). The one spelling of it in the package;
+#: :func:`request_profile` turns every other spelling into this object.
 GREEDY = LookaheadProfile(window=1, ngram=2, guesses=0, name="greedy", enabled=False)
 
 

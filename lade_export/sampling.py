@@ -7,7 +7,9 @@ Filtering follows transformers' logits processors, in their order: temperature
 top-p (nucleus sampling, Holtzman et al. 2020, arXiv 1904.09751: sorted by probability,
 drop the least likely tokens whose cumulative mass is ≤ 1 − p, always keeping the most
 likely one), then softmax. Temperature 0 means greedy decoding, and so does any
-temperature below :data:`GREEDY_BELOW` (1e-5).
+temperature below :data:`GREEDY_BELOW` (1e-5); ``SamplingParams()`` is that rule. (Whether
+a request looks ahead is its profile's business: :data:`lade_export.profile.GREEDY` is
+plain decoding, one token per step, greedy or sampled by these parameters.)
 
 Verification (:class:`SamplingRule`): lookahead's verification candidates are
 deterministic drafts — n-grams from the pool and the history lookup, i.e. proposal
@@ -123,9 +125,6 @@ class SamplingParams:
         if self.seed is not None:
             parts.append(f"seed {self.seed}")
         return " ".join(parts)
-
-
-GREEDY = SamplingParams()
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
