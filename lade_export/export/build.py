@@ -18,9 +18,10 @@ from pathlib import Path
 from .. import __version__
 from ..artifact import atomic_directory, file_entries, write_json_atomic
 from ..backends.onnxruntime import OrtEngine
-from ..errors import BuildOptionError, CheckFailedError
+from ..errors import BuildOptionError
 from ..graph import DecoderStep, export_onnx
-from .build_checks import parity_prompt_ids, quality_prompts, save_tokenizer, transformers_parity
+from .build_checks import (parity_prompt_ids, quality_prompts, raise_on_parity, reduced_precision_parity, save_tokenizer,
+                           transformers_parity)
 from .build_options import BuildOptions
 from .parity import PARITY_MAX_ABS, PARITY_MAX_REL, check_parity
 from ..kernels import LIBRARY
@@ -43,16 +44,6 @@ def _versions() -> dict:
         "onnx": onnx.__version__,
         "onnxruntime": onnxruntime.__version__,
     }
-
-
-def _raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
-    bad = [c for c in cases if not c.ok()]
-    if bad:
-        c = bad[0]
-        raise CheckFailedError(
-            f"parity check ({what}) failed at {c.label} (step {c.step}, past {c.past}): max |Δlogit| {c.max_abs:.3g}, "
-            f"relative {c.rel:.3g}, argmax equal {c.argmax_equal}, KV max |Δ| {c.kv_max_abs:.3g}"
-        )
 
 
 def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_ids, engine_options: dict,
@@ -91,7 +82,7 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
         say("sanitizing the graph for TensorRT")
         graph = Path(scratch) / "model.onnx"
         counts = sanitize_onnx(onnx_path, graph)
-        _raise_on_parity(check_parity(step, graph, prompt_ids, profile), "sanitized graph")
+        raise_on_parity(check_parity(step, graph, prompt_ids, profile), "sanitized graph")
         graph_parity = None
         dtype = plan_of_precision["graph_dtype"]
         if dtype != "float32":
@@ -102,7 +93,7 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
             raw = export_reduced_precision(step, dtype, Path(scratch) / "reduced" / "raw.onnx")
             graph = Path(scratch) / "reduced" / "model.onnx"
             counts = sanitize_onnx(raw, graph)
-            graph_parity = _reduced_precision_parity(step, graph, prompt_ids, profile, precision,
+            graph_parity = reduced_precision_parity(step, graph, prompt_ids, profile, precision,
                                                      *PRECISION_BOUNDS[precision])
         (root / "engines").mkdir(exist_ok=True)
         for plan in plans:
@@ -116,30 +107,6 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
             entries.append({**plan, **info, "graph_parity": graph_parity, "sanitize": counts,
                             "sha256": sha256_file(root / plan["file"])})
     return entries
-
-
-def _reduced_precision_parity(step, graph: Path, prompt_ids, profile, precision: str, max_abs: float,
-                              max_rel: float) -> dict:
-    """ONNX Runtime on the reduced-precision graph vs the float32 PyTorch step: every case
-    within ``max_abs``/``max_rel`` (max |Δlogit| / max |logit|) with equal argmax at every
-    row (bfloat16: not run, see the caller).
-
-    Raises:
-        CheckFailedError: a case beyond the bounds, or with another argmax.
-    """
-    if precision == "bf16":
-        return {"checked": False, "reason": "ONNX Runtime has no bfloat16 CPU kernels; lade-export check compares the "
-                                            "engines with PyTorch on the GPU"}
-    cases = check_parity(step, graph, prompt_ids, profile)
-    bad = [c for c in cases if not c.ok(max_abs=max_abs, max_rel=max_rel)]
-    if bad:
-        c = bad[0]
-        raise CheckFailedError(
-            f"parity check ({precision} graph vs float32 PyTorch) failed at {c.label} (step {c.step}, past {c.past}): "
-            f"max |Δlogit| {c.max_abs:.3g}, relative {c.rel:.3g} (bound {max_rel:g}), argmax equal {c.argmax_equal}")
-    return {"checked": True, "max_rel_bound": max_rel,
-            "cases": [{"label": c.label, "step": c.step, "past": c.past, "max_abs": c.max_abs, "rel": c.rel,
-                       "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs} for c in cases]}
 
 
 def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], threads=None, say=None) -> dict:
@@ -334,7 +301,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         t2 = time.perf_counter()
         engine = OrtEngine(onnx_path, dims, threads=threads)  # one session for both checks
         cases = check_parity(reference_step, onnx_path, prompt_ids, profiles[0] if profiles else None, engine=engine)
-        _raise_on_parity(cases)
+        raise_on_parity(cases)
         parity_s = time.perf_counter() - t2
         say("checking the graph against transformers on both sides of the rope thresholds")
         t3 = time.perf_counter()

@@ -1,7 +1,9 @@
 """The build's checks on real inputs, and the prompts they use: the tokenizer the runtime
 reads against transformers' (:func:`save_tokenizer`), the graph against transformers' own
-model on both sides of every rope threshold (:func:`transformers_parity`), and the prompt
-ids of the parity check and of the quantization quality report. Run by
+model on both sides of every rope threshold (:func:`transformers_parity`), the verdicts on
+ONNX Runtime-vs-PyTorch parity cases (:func:`raise_on_parity`,
+:func:`reduced_precision_parity`), and the prompt ids of the parity check and of the
+quantization quality report. Run by
 :func:`lade_export.export.build.build_artifact` (and :mod:`lade_export.export.check`)."""
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckFailedError
-from .parity import PARITY_MAX_ABS
+from .parity import PARITY_MAX_ABS, check_parity
 
 #: The fixed real prompt of the build's parity check.
 PARITY_PROMPT = "Once upon a time, a curious engineer wanted to make a small language model decode faster."
@@ -135,3 +137,43 @@ def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
         else:
             out.append(list(tokenizer(text).input_ids))
     return out
+
+
+def raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
+    """Raise on the first of ``cases`` (:class:`lade_export.export.parity.ParityCase`) past
+    the float32 bounds.
+
+    Raises:
+        CheckFailedError: one line naming the case, its step and past, and its differences.
+    """
+    bad = [c for c in cases if not c.ok()]
+    if bad:
+        c = bad[0]
+        raise CheckFailedError(
+            f"parity check ({what}) failed at {c.label} (step {c.step}, past {c.past}): max |Δlogit| {c.max_abs:.3g}, "
+            f"relative {c.rel:.3g}, argmax equal {c.argmax_equal}, KV max |Δ| {c.kv_max_abs:.3g}"
+        )
+
+
+def reduced_precision_parity(step, graph: Path, prompt_ids, profile, precision: str, max_abs: float,
+                              max_rel: float) -> dict:
+    """ONNX Runtime on the reduced-precision graph vs the float32 PyTorch step: every case
+    within ``max_abs``/``max_rel`` (max |Δlogit| / max |logit|) with equal argmax at every
+    row (bfloat16: not run; ONNX Runtime has no bfloat16 CPU kernels).
+
+    Raises:
+        CheckFailedError: a case beyond the bounds, or with another argmax.
+    """
+    if precision == "bf16":
+        return {"checked": False, "reason": "ONNX Runtime has no bfloat16 CPU kernels; lade-export check compares the "
+                                            "engines with PyTorch on the GPU"}
+    cases = check_parity(step, graph, prompt_ids, profile)
+    bad = [c for c in cases if not c.ok(max_abs=max_abs, max_rel=max_rel)]
+    if bad:
+        c = bad[0]
+        raise CheckFailedError(
+            f"parity check ({precision} graph vs float32 PyTorch) failed at {c.label} (step {c.step}, past {c.past}): "
+            f"max |Δlogit| {c.max_abs:.3g}, relative {c.rel:.3g} (bound {max_rel:g}), argmax equal {c.argmax_equal}")
+    return {"checked": True, "max_rel_bound": max_rel,
+            "cases": [{"label": c.label, "step": c.step, "past": c.past, "max_abs": c.max_abs, "rel": c.rel,
+                       "argmax_equal": c.argmax_equal, "kv_max_abs": c.kv_max_abs} for c in cases]}
