@@ -86,6 +86,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     """Generate from a built artifact with lookahead (or --no-lookahead) decoding, greedy or
     sampled: the text streams to stdout, the statistics go to stderr."""
     from ..api import load
+    from ..profile import GREEDY
     from ..sampling import SamplingParams
 
     if greedy and temperature > 0:
@@ -102,9 +103,8 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     use_chat = model.tokenizer.has_chat_template if chat is None else chat
     ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat,
                        parse_special_in_messages=parse_special)
-    profile = model.resolve_profile(profile_value, lookahead=lookahead)
-    stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, lookahead=lookahead, stop=stops,
-                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    profile = model.resolve_profile(profile_value, lookahead=lookahead)  # GREEDY for --greedy, --no-lookahead
+    stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, sampling=sampling, stop=stops)
     last = "\n"
     try:
         for chunk in stream:
@@ -129,8 +129,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
                 pass
         raise
     result = stream.result
-    if profile is not None and not profile.enabled:
-        profile = None
+    profile = None if profile is GREEDY else profile
     mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
         (f", K={profile.lookup}" + (f", B={profile.lookup_branches}" if profile.lookup_branches > 1 else "") + ")"
          if profile.lookup else ")") if profile else "no lookahead"
@@ -148,7 +147,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
         click.echo("[check-greedy] nothing to compare: this run decoded one token per step "
                    "(no lookahead profile)", err=True)
     elif check_greedy:
-        base = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=False, stop=stops)
+        base = model.generate(ids, max_new_tokens=max_new_tokens, profile=GREEDY, stop=stops)
         same = base.token_ids == result.token_ids
         speedup = base.stats.decode_s / result.stats.decode_s if result.stats.decode_s else 0.0
         click.echo(f"[greedy] {base.stats.line()}", err=True)
