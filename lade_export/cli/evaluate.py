@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import click
 
@@ -125,31 +124,16 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
                                f"{first.dataset} prompt {first.prompt_id}")
 
 
-class OtherBuild(NamedTuple):
-    """One ``compare --also`` build, as :func:`lade_export.evaluation.compare.run_compare`'s
-    ``extra_engines`` takes it.
-
-    Attributes:
-        label: its name in the results (its weights' precision, or its folder's name when
-            that is taken).
-        decoder: its :class:`lade_export.runtime.Decoder`.
-        profiles: the lookahead profiles measured on it besides its greedy run (none when
-            its engine is not exact for lookahead).
-    """
-
-    label: str
-    decoder: object
-    profiles: list
-
-
-def _other_builds(paths, artifact_dir, artifact, profiles, open_model) -> list[OtherBuild]:
-    """The ``--also`` builds opened (``open_model(path)`` → :class:`lade_export.api.Model`),
-    each measured with its own default profile, or with the compared ``profiles`` when its
-    default is greedy.
+def _other_builds(paths, artifact_dir, artifact, profiles, open_model) -> list:
+    """The ``--also`` builds opened (``open_model(path)`` → :class:`lade_export.api.Model`)
+    as :class:`lade_export.evaluation.compare.ExtraEngine` entries, each measured with its own
+    default profile, or with the compared ``profiles`` when its default is greedy.
 
     Raises:
         GenerationError: a build of another model than ``artifact`` (other dims).
     """
+    from ..evaluation.compare import ExtraEngine
+
     others = []
     for path in paths:
         other = open_model(path)
@@ -164,7 +148,7 @@ def _other_builds(paths, artifact_dir, artifact, profiles, open_model) -> list[O
         default = other.artifact.default_profile()
         use = [] if not other.decoder.lookahead_exact else [default] if default is not None and default.enabled else \
             [p for p in profiles if p.enabled]  # a greedy default: still measure the compared profiles there
-        others.append(OtherBuild(label, other.decoder, use))
+        others.append(ExtraEngine(label, other.decoder, use))
     return others
 
 
