@@ -495,7 +495,7 @@ def test_every_documented_row_has_a_test():
                                    "build-compute-int8-gqa", "kernels-path-forced",
                                    # tests/test_scheduler.py
                                    "api-batching-tensorrt", "api-batching-kv-pool", "api-scheduler-option",
-                                   "api-scheduler-closed",
+                                   "api-scheduler-closed", "api-stop-token-ids", "api-sampling-and-flat-keywords",
                                    # tests/test_openai_server.py
                                    "serve-api-key-env-unset", "serve-port-in-use"} | \
         set(TENSORRT_ROWS)
