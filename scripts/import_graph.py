@@ -7,6 +7,8 @@ transformers, onnx, onnxscript, tensorrt).
 
     python scripts/import_graph.py            # every module
     python scripts/import_graph.py --runtime  # only modules that reach no export-time library
+    git worktree add /tmp/before 1126a11 && python scripts/import_graph.py --root /tmp/before
+                                              # another checkout (here: before the layout of issue 24)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import ast
 from pathlib import Path
 
 HEAVY = ("torch", "transformers", "onnx", "onnxscript", "tensorrt")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # --root replaces it
 PACKAGE = "lade_export"
 
 
@@ -73,7 +75,12 @@ def main() -> None:
     parser.add_argument("--runtime", action="store_true",
                         help="only modules whose imports, followed through the package, reach none of "
                              + ", ".join(HEAVY) + " at module level")
+    parser.add_argument("--root", type=Path, default=None, help="the checkout to read (default: this one)")
     args = parser.parse_args()
+    global ROOT, MODULES
+    if args.root is not None:
+        ROOT = args.root.resolve()
+        MODULES = {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
     graph = {module_name(p): imports_of(p) for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
 
     def heavy(mod, seen=()):

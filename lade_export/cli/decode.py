@@ -129,10 +129,10 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
                 pass
         raise
     result = stream.result
-    profile = None if profile is GREEDY else profile
-    mode = f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
+    mode = "no lookahead" if profile is GREEDY else \
+        f"lookahead {profile.name} (W={profile.window}, N={profile.ngram}, G={profile.guesses}" + \
         (f", K={profile.lookup}" + (f", B={profile.lookup_branches}" if profile.lookup_branches > 1 else "") + ")"
-         if profile.lookup else ")") if profile else "no lookahead"
+         if profile.lookup else ")")
     click.echo(f"[{mode}, {sampling.describe()}] {result.stats.line()} · stop: {result.stop_reason}", err=True)
     library = model.artifact.custom_ops_path if backend == "ort" else None
     if library is not None:
@@ -143,7 +143,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     if backend == "tensorrt":
         click.echo(f"[tensorrt] {model.engine.runtime_description}; engines used: "
                    f"{', '.join(model.engine.loaded_engines)}", err=True)
-    if check_greedy and profile is None:
+    if check_greedy and profile is GREEDY:
         click.echo("[check-greedy] nothing to compare: this run decoded one token per step "
                    "(no lookahead profile)", err=True)
     elif check_greedy:

@@ -27,11 +27,14 @@ import dataclasses
 from typing import NamedTuple
 
 from ..errors import GenerationError
+from ..profile import GREEDY
 from .datasets import load_prompts
 from .peer_output import PeerOutput
-from .report import BASELINES, GREEDY, SAMPLING, environment, plot_summary, render_markdown, summarize, write_outputs
+from .report import (BASELINES, GREEDY_BASELINE, SAMPLING_BASELINE, environment, plot_summary, render_markdown, summarize,
+                     write_outputs)
 
-__all__ = ["BASELINES", "GREEDY", "SAMPLING", "Comparison", "ExtraEngine", "PromptCase", "RunRecord", "SkippedRecord",
+__all__ = ["BASELINES", "GREEDY_BASELINE", "SAMPLING_BASELINE",
+           "Comparison", "ExtraEngine", "PromptCase", "RunRecord", "SkippedRecord",
            "environment", "fit_prompts", "plot_summary", "render_markdown", "run_compare", "summarize", "write_outputs"]
 
 
@@ -203,7 +206,7 @@ class Comparison:
         self.sampling = sampling
         self.extra_engines = [ExtraEngine(*extra) for extra in extra_engines]
         self.sampled = sampling is not None and not sampling.greedy
-        self.baseline = SAMPLING if self.sampled else GREEDY
+        self.baseline = SAMPLING_BASELINE if self.sampled else GREEDY_BASELINE
         self.stop_ids = sorted(decoder.stop_token_ids)
         self.records: list[RunRecord] = []
         self.skipped: list[SkippedRecord] = []
@@ -259,7 +262,7 @@ class Comparison:
         """The baseline on ``engine``, then each profile checked against it; returns the
         baseline's :class:`lade_export.runtime.GenerationResult`."""
         own = f"{tag} {self.baseline}" if tag else self.baseline
-        ref = engine.generate(case.ids, case.budget, None, sampling=case.sampling)
+        ref = engine.generate(case.ids, case.budget, GREEDY, sampling=case.sampling)
         self._add(RunRecord.of_generation(case, own, ref, None if self.sampled else True, own))
         for profile in profiles:
             res = engine.generate(case.ids, case.budget, profile, sampling=case.sampling)

@@ -5,8 +5,8 @@ configuration), ``summary.csv`` and ``summary.md`` (one row per dataset × confi
 ``speedup.png`` (needs matplotlib, the ``bench`` extra). :func:`environment` is the record
 of the machine and versions every benchmark writes beside its figures.
 
-Speedups are taken against the baseline configuration of the same prompts: :data:`GREEDY`,
-or :data:`SAMPLING` under sampling (temperature > 0).
+Speedups are taken against the baseline configuration of the same prompts: :data:`GREEDY_BASELINE`,
+or :data:`SAMPLING_BASELINE` under sampling (temperature > 0).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import numpy as np
 
 from .peers import PEERS
 
-GREEDY = "greedy"
-SAMPLING = "sampling"  # the baseline under sampling: plain sampling, no lookahead
-BASELINES = (GREEDY, SAMPLING)
+#: Record labels of the baselines (plain greedy decoding is :data:`lade_export.profile.GREEDY`).
+GREEDY_BASELINE = "greedy"
+SAMPLING_BASELINE = "sampling"  # the baseline under sampling: plain sampling, no lookahead
+BASELINES = (GREEDY_BASELINE, SAMPLING_BASELINE)
 
 
 def _pct(values, q):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..errors import CheckFailedError, GenerationError, ProfileError
-from ..profile import LookaheadProfile
+from ..profile import GREEDY, LookaheadProfile
 
 GRIDS = {
     # (W, N, G, K, B): short steps with history lookup (1–3 branches) beside the paper's wider shapes
@@ -99,7 +99,7 @@ def _measure(decoder, prompts_ids, profiles, max_new_tokens, progress) -> list[T
     trials = [Trial(p) for p in profiles]
     for ids in prompts_ids:
         budget = min(max_new_tokens, decoder.max_context - len(ids))
-        base = decoder.generate(ids, budget, None)
+        base = decoder.generate(ids, budget, GREEDY)
         for trial in trials:
             res = decoder.generate(ids, budget, trial.profile)
             if res.token_ids != base.token_ids:

@@ -121,6 +121,7 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
         ``path_at_build`` (the one the quality was measured on).
     """
     from .quantize import quality_report, quantize_step_graph
+    from ..profile import GREEDY
     from ..runtime import Decoder
 
     say = say or (lambda m: None)
@@ -141,7 +142,7 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     quantized = OrtEngine(staged, dims, threads=threads, custom_ops=library)
     sequences = []
     for ids in prompts:
-        answer = Decoder(reference, [], dims.max_context).generate(ids, min(64, dims.max_context - len(ids)), None)
+        answer = Decoder(reference, [], dims.max_context).generate(ids, min(64, dims.max_context - len(ids)), GREEDY)
         sequences.append((list(ids) + answer.token_ids, len(ids)))
     quality = quality_report(reference, quantized, sequences)
     reference.close()

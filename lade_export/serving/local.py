@@ -31,6 +31,11 @@ requests and exit once it is gone; :meth:`LocalTritonServer.stop` first asks the
 end their requests (the file ``LADE_TRITON_STOP_FILE`` names, which the model watches),
 then stops the server (SIGTERM, then SIGKILL to the group) and removes the shared-memory
 regions the stubs left behind.
+
+Length (just over the package's ~400 lines, a quarter of it the facts above): assembling
+the backend, the stub's environment and the server's life cycle are one job — each step
+exists for the next — and users run it as one module
+(``python -m lade_export.serving.local REPO`` serves a repository ``lade-export triton`` wrote).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import math
 
 from starlette.responses import JSONResponse
 
-from ..profile import LookaheadProfile
+from ..profile import GREEDY, LookaheadProfile
 
 #: Largest request body accepted by default, bytes.
 MAX_BODY_BYTES = 1 << 20
@@ -130,7 +130,7 @@ class Job:
         max_tokens: asked new tokens, or None (the server's default).
         stop: stop strings.
         temperature, top_p, top_k, seed: the decoding rule.
-        profile: the lookahead profile, or None for plain decoding.
+        profile: the lookahead profile (:data:`lade_export.profile.GREEDY` for plain decoding).
         stream: server-sent events.
         include_usage: a last stream chunk with the usage.
     """
@@ -143,7 +143,7 @@ class Job:
     top_p: float
     top_k: int
     seed: int | None
-    profile: LookaheadProfile | None
+    profile: LookaheadProfile
     stream: bool
     include_usage: bool
 
@@ -296,13 +296,13 @@ def parse_request(body, chat: bool, config: ServerConfig) -> Job:
                include_usage)
 
 
-def _profile(body, config: ServerConfig) -> LookaheadProfile | None:
+def _profile(body, config: ServerConfig) -> LookaheadProfile:
     value = body.get("lookahead", True)
     served = ", ".join(config.profiles) or "none"
     if value is None or value is True:
-        return next(iter(config.profiles.values()), None)
+        return next(iter(config.profiles.values()), GREEDY)
     if value is False:
-        return None
+        return GREEDY
     if not isinstance(value, dict) or set(value) - {"profile"} or not isinstance(value.get("profile"), str):
         raise bad_request('lookahead must be false, true or {"profile": NAME}', "lookahead")
     name = value["profile"]

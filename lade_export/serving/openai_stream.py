@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import LadeError
+from ..profile import GREEDY
 from .openai_schema import FINISH_REASONS, APIError, Job, bad_request
 
 #: The item a reader thread puts after a request's last chunk (or its error).
@@ -89,7 +90,7 @@ class Run:
         decode forward passes and the tokens per pass (compression, Fu et al. 2023)."""
         prof = self.job.profile
         s = self.stats
-        return {"profile": prof.name if prof is not None else None, "steps": s.steps if s else 0,
+        return {"profile": None if prof is GREEDY else prof.name, "steps": s.steps if s else 0,
                 "compression": round(s.compression_ratio, 4) if s else 0.0}
 
     def finish(self) -> None:
@@ -150,7 +151,7 @@ class Run:
                                   f"KV pool of {room} tokens (--kv-tokens)", "max_tokens", "context_length_exceeded")
             self.prompt_tokens = len(ids)
             stream = model.stream(ids, chat=False, max_new_tokens=max_new, profile=job.profile,
-                                  lookahead=job.profile is not None, stop=job.stop, temperature=job.temperature,
+                                  stop=job.stop, temperature=job.temperature,
                                   top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         except BaseException as err:  # refused before any work
             self.refused = True
