@@ -9,8 +9,8 @@ engines). Every output column is the same dot product as before, so the step's I
 contract (:mod:`lade_export.specs`) and its numbers are unchanged up to float32 rounding
 of the larger kernel; the graph has fewer, larger kernels.
 
-On SmolLM2-135M with ONNX Runtime on 2 CPU cores the fused graph runs a lookahead-sized
-step faster (8 tokens at 256 cached: about 34 instead of 39 ms float32); the quantized
+With ONNX Runtime on CPU the fused graph runs a lookahead-sized step faster (the
+measurement: ``bench/results/design-figures.md``, *Sibling-MatMul fusion*); the quantized
 graphs (:mod:`lade_export.export.quantize`) then also have one ``MatMulNBits`` and one
 zero-point residual term per fused projection instead of one per weight.
 """
