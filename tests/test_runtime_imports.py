@@ -8,51 +8,37 @@ install), nothing is blocked here: a module that imports one of them, even insid
 ``try``, is caught by name."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: The run-time modules the README's pipeline table names (artifact, n-grams, algorithm,
-#: decode, text, API, batching, serving, engines) plus the benchmarks that decode from an
-#: artifact on the base install (compare, tune and their peers), and the CLI (it parses and
-#: imports a command's modules when the command runs). The torch engine
-#: (``export/torch_engine.py``) is the export side's PyTorch reference and is not one of them.
-RUNTIME_MODULES = (
-    "lade_export",
-    "lade_export.api",
-    "lade_export.artifact",
-    "lade_export.manifest",
-    "lade_export.runtime",
-    "lade_export.kv_cache",
-    "lade_export.feeds",
-    "lade_export.lookahead",
-    "lade_export.ngram",
-    "lade_export.sampling",
-    "lade_export.profile",
-    "lade_export.specs",
-    "lade_export.tokenizer",
-    "lade_export.detokenize",
-    "lade_export.scheduler",
-    "lade_export.packed",
-    "lade_export.width_policy",
-    "lade_export.kernels",
-    "lade_export.backends",
-    "lade_export.backends.onnxruntime",
-    "lade_export.backends.cuda",
-    "lade_export.backends.tensorrt",
-    "lade_export.serving.protocol",
-    "lade_export.serving.local",
-    "lade_export.serving.repository",
-    "lade_export.serving.openai_api",
-    "lade_export.serving.triton_model",
-    "lade_export.evaluation",
-    "lade_export.evaluation.compare",
-    "lade_export.evaluation.tune",
-    "lade_export.evaluation.peers",
-    "lade_export.cli",
-)
+#: The export side: these may import torch and the ONNX tool chain; every other module of
+#: the package is a run-time module (the layout is the rule: README, *Pipeline*).
+EXPORT_SIDE = ("lade_export.graph", "lade_export.export")
+#: Run as programs, not imported (``python -m lade_export.cli`` would start the CLI).
+PROGRAMS = ("lade_export.cli.__main__",)
+
+
+def _package_modules() -> list[str]:
+    names = []
+    for path in sorted((ROOT / "lade_export").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    return names
+
+
+#: Every run-time module: the package minus its export side — the artifact, n-grams,
+#: algorithm, decoding loop, text, API, batching, serving, engines, benchmarks (compare,
+#: tune and their peers decode from an artifact on the base install) and the CLI (it
+#: parses, and imports a command's modules when the command runs). The PyTorch reference
+#: engine (``export/torch_engine.py``) is on the export side.
+RUNTIME_MODULES = tuple(m for m in _package_modules()
+                        if m not in PROGRAMS and not any(m == e or m.startswith(e + ".") for e in EXPORT_SIDE))
 #: Export-time frameworks no run-time module may import.
 EXPORT_ONLY = ("torch", "transformers", "onnx", "onnxscript")
 
@@ -77,6 +63,25 @@ with lade_export.load(artifact, batching=True) as model:
 print(json.dumps({"imports": after, "loaded": sorted(m for m in export_only if m in sys.modules),
                   "tokens": [look.token_ids, plain.token_ids, batched.token_ids], "steps": look.stats.steps}))
 """
+
+
+def test_every_module_the_readme_pipeline_names_is_on_one_side_of_the_layout():
+    """The README's pipeline table names modules by path; each is a file of the package, and
+    the run-time ones among them are imported by the test below."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Pipeline"):readme.index("## The step graph")]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    named = set(re.findall(r"([a-z_/]+)\.py", table))  # lade_export/x/y.py, serving/y.py or y.py beside them
+    assert len(named) >= 40, sorted(named)
+    modules = set(_package_modules())
+    for path in named:
+        dotted = path.removeprefix("lade_export/").replace("/", ".")
+        hits = [m for m in modules if m == "lade_export." + dotted or m.endswith("." + dotted)]
+        assert hits, f"the README's pipeline table names {path}.py, which is not in the package"
+    runtime = set(RUNTIME_MODULES)
+    assert {"lade_export.runtime", "lade_export.ngram", "lade_export.scheduler", "lade_export.api",
+            "lade_export.backends.onnxruntime", "lade_export.serving.openai_api", "lade_export.cli"} <= runtime
+    assert "lade_export.graph" not in runtime and "lade_export.export.build" not in runtime
 
 
 def test_run_time_modules_and_a_decode_import_no_export_framework(stories_artifact, reference_greedy, tmp_path):
