@@ -55,7 +55,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     from rich.progress import Progress
     from rich.table import Table
 
-    from ..evaluation.compare import environment, run_compare, summarize, write_outputs
+    from ..evaluation.compare import environment, open_extra_engines, run_compare, summarize, write_outputs
     from ..evaluation.datasets import load_prompts
     from ..errors import CheckFailedError
     from ..sampling import SamplingParams
@@ -83,7 +83,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
 
         peer_set = Peers(peers, artifact.spec.source.model, llama_cpp, llama_gguf, threads,
                          sampled=not sampling.greedy)
-    extra_engines = _other_builds(also, artifact_dir, artifact, profiles,
+    extra_engines = open_extra_engines(also, artifact_dir, artifact, profiles,
                                   lambda path: _load(path, backend, device, dtype, threads))
     total = sum(counts) * (1 + len(profiles) + (len(peer_set.names) if peer_set else 0)
                            + sum(1 + len(other.profiles) for other in extra_engines))
@@ -122,34 +122,6 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
         first = bad[0]
         raise CheckFailedError(f"{len(bad)} output(s) differ from {first.reference}: first {first.config} on "
                                f"{first.dataset} prompt {first.prompt_id}")
-
-
-def _other_builds(paths, artifact_dir, artifact, profiles, open_model) -> list:
-    """The ``--also`` builds opened (``open_model(path)`` → :class:`lade_export.api.Model`)
-    as :class:`lade_export.evaluation.compare.ExtraEngine` entries, each measured with its own
-    default profile, or with the compared ``profiles`` when its default is greedy.
-
-    Raises:
-        GenerationError: a build of another model than ``artifact`` (other dims).
-    """
-    from ..evaluation.compare import ExtraEngine
-
-    others = []
-    for path in paths:
-        other = open_model(path)
-        dims = other.artifact.dims
-        if dims != artifact.dims:
-            raise GenerationError(f"--also {path} is a build of another model ({other.artifact.spec.source.model}: "
-                                  f"{dims.num_layers} layers, vocab {dims.vocab}) than {artifact_dir} "
-                                  f"({artifact.dims.num_layers} layers, vocab {artifact.dims.vocab})")
-        label = other.artifact.spec.graph.precision
-        if label in [o.label for o in others] or label == artifact.spec.graph.precision:
-            label = path.name
-        default = other.artifact.default_profile()
-        use = [] if not other.decoder.lookahead_exact else [default] if default is not None and default.enabled else \
-            [p for p in profiles if p.enabled]  # a greedy default: still measure the compared profiles there
-        others.append(ExtraEngine(label, other.decoder, use))
-    return others
 
 
 def _report_skipped(skipped, kept, context: int) -> None:

@@ -30,12 +30,13 @@ from ..errors import GenerationError
 from ..profile import GREEDY
 from .datasets import load_prompts
 from .peer_output import PeerOutput
-from .report import (BASELINES, GREEDY_BASELINE, SAMPLING_BASELINE, environment, plot_summary, render_markdown, summarize,
-                     write_outputs)
+from .report import (BASELINES, GREEDY_BASELINE, SAMPLING_BASELINE, environment, plot_summary, render_markdown,
+                     summarize, write_outputs)
 
 __all__ = ["BASELINES", "GREEDY_BASELINE", "SAMPLING_BASELINE",
            "Comparison", "ExtraEngine", "PromptCase", "RunRecord", "SkippedRecord",
-           "environment", "fit_prompts", "plot_summary", "render_markdown", "run_compare", "summarize", "write_outputs"]
+           "environment", "fit_prompts", "open_extra_engines", "plot_summary", "render_markdown", "run_compare",
+           "summarize", "write_outputs"]
 
 
 @dataclasses.dataclass
@@ -321,3 +322,39 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
     comparison = Comparison(decoder, tokenizer, chat, profiles, max_new_tokens, peers=peers, progress=progress,
                             sampling=sampling, extra_engines=extra_engines)
     return comparison.run(datasets, limit)
+
+
+def open_extra_engines(paths, artifact_dir, artifact, profiles, open_model) -> list:
+    """Other builds of the same model (``lade-export compare --also``) opened as
+    :class:`ExtraEngine` entries, each measured with its own default profile, or with the
+    compared ``profiles`` when its default is greedy (none when its graph is not lookahead-exact).
+
+    Args:
+        paths: the other builds' directories (:class:`pathlib.Path`).
+        artifact_dir, artifact: the compared build's directory and opened
+            :class:`lade_export.artifact.Artifact`.
+        profiles: the compared lookahead profiles.
+        open_model: ``open_model(path)`` → :class:`lade_export.api.Model`.
+
+    Returns:
+        ``[ExtraEngine]``, labelled by precision (by folder name where that repeats).
+
+    Raises:
+        GenerationError: a build of another model than ``artifact`` (other dims).
+    """
+    others = []
+    for path in paths:
+        other = open_model(path)
+        dims = other.artifact.dims
+        if dims != artifact.dims:
+            raise GenerationError(f"--also {path} is a build of another model ({other.artifact.spec.source.model}: "
+                                  f"{dims.num_layers} layers, vocab {dims.vocab}) than {artifact_dir} "
+                                  f"({artifact.dims.num_layers} layers, vocab {artifact.dims.vocab})")
+        label = other.artifact.spec.graph.precision
+        if label in [o.label for o in others] or label == artifact.spec.graph.precision:
+            label = path.name
+        default = other.artifact.default_profile()
+        use = [] if not other.decoder.lookahead_exact else [default] if default is not None and default.enabled else \
+            [p for p in profiles if p.enabled]  # a greedy default: still measure the compared profiles there
+        others.append(ExtraEngine(label, other.decoder, use))
+    return others
