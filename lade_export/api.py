@@ -31,7 +31,7 @@ from .artifact import Artifact
 from .errors import GenerationError
 from .profile import LookaheadProfile, request_profile
 from .runtime import Chunk, Decoder, GenerationResult, collect
-from .sampling import SamplingParams, is_integer_number
+from .sampling import SamplingParams, is_integer_number, shown_value
 
 
 def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None = None, device: str = "cpu",
@@ -67,10 +67,14 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
         ArtifactError: not a build, another schema version, or a damaged file.
         BackendUnavailableError: the backend or device is missing.
         GenerationError: ``dtype`` other than float32 with the ort or tensorrt backend;
-            ``batching`` with TensorRT engines whose packed profile is missing (built
-            before it existed: rebuild) or smaller than the scheduler's passes.
+            ``batching`` with TensorRT engines whose packed optimization profile is missing
+            (built before it existed: rebuild) or smaller than the scheduler's passes;
+            ``threads`` not an integer ≥ 1.
     """
     from .backends import open_engine
+
+    if threads is not None and (isinstance(threads, bool) or not is_integer_number(threads) or threads < 1):
+        raise GenerationError(f"threads must be an integer ≥ 1 (None: one per core), got {shown_value(threads)}")
 
     if backend == "torch":  # the PyTorch reference engine is the export side's: importing it registers it
         from . import export  # noqa: F401

@@ -240,8 +240,11 @@ def request_profile(value=None, *, lookahead: bool = True, default: LookaheadPro
         :data:`GREEDY` for plain greedy decoding, else an enabled :class:`LookaheadProfile`.
 
     Raises:
-        ProfileError: the value names no profile, or the profile is invalid.
+        ProfileError: the value names no profile, the profile is invalid, or ``lookahead``
+            is not a bool.
     """
+    if not isinstance(lookahead, bool):
+        raise ProfileError(f"lookahead must be True or False, got {lookahead!r}")
     if not lookahead:
         return GREEDY
     chosen = default if value is None else resolve_profile(value)
@@ -308,10 +311,13 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
     ``W,N,G``, ``W,N,G,K`` or ``W,N,G,K,B``; a :class:`LookaheadProfile` is returned as it is.
 
     Raises:
-        ProfileError: nothing matches, or the profile is invalid.
+        ProfileError: nothing matches, the profile is invalid, or ``value`` is of another type.
     """
     if isinstance(value, LookaheadProfile):
         return value
+    if not isinstance(value, (str, Path)):
+        raise ProfileError(f"profile must be a name, a TOML path, W,N,G[,K[,B]], \"greedy\" or a LookaheadProfile, "
+                           f"got {type(value).__name__} {value!r}")
     text = str(value)
     if text == GREEDY.name:
         return GREEDY
@@ -339,4 +345,4 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
     if "," in text and not text.endswith(".toml"):
         raise ProfileError(f"inline profile {text!r} must be 3 to 5 comma-separated integers: W,N,G[,K[,B]]")
     raise ProfileError(f"profile file not found: {text} (give a TOML path, a shipped name ({', '.join(bundled_profile_names())}), "
-                       "or W,N,G[,K[,B]])")
+                       f"W,N,G[,K[,B]], or {GREEDY.name!r} for plain greedy decoding)")

@@ -437,9 +437,9 @@ class Decoder:
         if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
             raise GenerationError(f"{shape}, got {shown_value(stop_token_ids)}")
         ids = list(stop_token_ids)
-        bad = next((t for t in ids if not is_integer_number(t) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise GenerationError(f"{shape}, got {shown_value(bad)}")
+        for t in ids:
+            if not is_integer_number(t) or not 0 <= t < vocab:
+                raise GenerationError(f"{shape}, got {shown_value(t)}")
         return frozenset(int(t) for t in ids)
 
     def _stream(self, req: CheckedRequest, cancel) -> Iterator[Chunk]:

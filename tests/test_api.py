@@ -271,6 +271,9 @@ def test_unknown_backend_and_dtype_are_refused(stories_artifact):
         lade_export.load(stories_artifact, backend="nope")
     with pytest.raises(GenerationError, match=r"^dtype must be float32, float16 or bfloat16, got 'fp16'$"):
         lade_export.load(stories_artifact, backend="torch", dtype="fp16")
+    for threads in (0, -1, 1.5, True):  # the CLI's --threads is ≥ 1 too
+        with pytest.raises(GenerationError, match=r"^threads must be an integer ≥ 1 \(None: one per core\), got "):
+            lade_export.load(stories_artifact, threads=threads)
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
@@ -278,12 +281,17 @@ def test_unknown_backend_and_dtype_are_refused(stories_artifact):
      "prompt (5 tokens) + max_new_tokens (600) = 605 exceeds the model's context of 512 tokens"),
     (dict(max_new_tokens=0), GenerationError, "max_new_tokens must be an integer ≥ 1, got 0"),
     (dict(profile="nope"), ProfileError, "profile file not found: nope"),
+    (dict(profile=3), ProfileError,
+     'profile must be a name, a TOML path, W,N,G[,K[,B]], "greedy" or a LookaheadProfile, got int 3'),
+    (dict(lookahead="no"), ProfileError, "lookahead must be True or False, got 'no'"),
     (dict(profile="100,5,100"), ProfileError, "its largest step (801 tokens) does not fit the model's context of 512"),
     (dict(chat=True), GenerationError, "this model has no chat template; pass plain text (--no-chat)"),
     (dict(stop_token_ids=[2, 512]), GenerationError,
      "stop_token_ids must be a list of token ids (integers 0..511), got 512"),
     (dict(stop_token_ids="2"), GenerationError, "stop_token_ids must be a list of token ids (integers 0..511), got '2'"),
     (dict(stop_token_ids=2), GenerationError, "stop_token_ids must be a list of token ids (integers 0..511), got 2"),
+    (dict(stop_token_ids=[None]), GenerationError,
+     "stop_token_ids must be a list of token ids (integers 0..511), got None"),
     (dict(stop_token_ids=[True]), GenerationError,
      "stop_token_ids must be a list of token ids (integers 0..511), got True"),
     (dict(sampling=SamplingParams(0.8), temperature=0.8, seed=1), GenerationError,
