@@ -63,11 +63,16 @@ BAD_BUILD_OPTIONS = [
     (["--attention", "group-query-attention"], dict(attention="group-query-attention"),  # stories' heads: 8 wide
      "--attention group-query-attention needs a head width that is a multiple of 16 (ONNX Runtime's kernel); this "
      "model's is 8: use --attention onnx-ops"),
+    (["--max-prompt", "64"], dict(max_prompt=64),
+     "--max-prompt bounds the TensorRT engines; this build is for ONNX Runtime only: add --engine tensorrt or drop it"),
+    (["--precision", "int4", "--block-size", "0"], dict(precision="int4", block_size=0),
+     "--block-size must be a power of two ≥ 16, got 0"),
 ]
 
 
 @pytest.mark.parametrize("flags, options, message", BAD_BUILD_OPTIONS,
-                         ids=["tensorrt-lade", "int8-lookahead", "lade-block-size", "gqa-head-width"])
+                         ids=["tensorrt-lade", "int8-lookahead", "lade-block-size", "gqa-head-width",
+                                                               "tensorrt-bound-on-onnx", "block-size-zero"])
 def test_the_build_refuses_bad_options_with_the_message_the_cli_prints(tmp_path, stories_dir, flags, options,
                                                                         message):
     """The API (``build_artifact``) checks the options the CLI checks: the same one line, as
@@ -111,6 +116,33 @@ def test_the_builds_older_keywords_get_the_same_checks(tmp_path, stories_dir):
                                                r"engine_options=, quantization= and attention=, not both$"):
         build_artifact(str(stories_dir), default, out, options=BuildOptions(), attention="onnx-ops")
     assert os.listdir(tmp_path) == []
+
+
+def test_build_options_bound_the_tensorrt_engines_within_the_model(stories_dir):
+    """TensorRT's bounds are checked as flags (each named, ≥ 1, the prompt below the
+    context, the context within the model's), and the head's bits as --head-bits."""
+    from lade_export.errors import BuildOptionError
+    from lade_export.export.build_options import BuildOptions
+    from lade_export.specs import ModelDims
+
+    cases = [(dict(engine="tensorrt", max_batch=0), "--max-batch must be an integer ≥ 1, got 0"),
+             (dict(engine="tensorrt", max_context=0), "--max-context must be an integer ≥ 2, got 0"),
+             (dict(engine="tensorrt", max_prompt=64, max_context=64),
+              "--max-prompt 64 must be below --max-context 64 (a prompt leaves room for new tokens)"),
+             (dict(max_batch=0), "--max-batch bounds the TensorRT engines; this build is for ONNX Runtime only: "
+                                 "add --engine tensorrt or drop it"),
+             (dict(precision="int4", head_bits=3), "--head-bits must be 0 (float32), 4 or 8, got 3")]
+    for options, message in cases:
+        with pytest.raises(BuildOptionError) as refused:
+            BuildOptions(**options).check()
+        assert str(refused.value) == message, options
+    dims = ModelDims(num_layers=5, heads=8, kv_heads=4, head_dim=8, hidden=64, vocab=512, max_context=512,
+                     tied_embeddings=True)
+    with pytest.raises(BuildOptionError, match=r"^--max-context 100000 exceeds the model's context of 512 tokens$"):
+        BuildOptions(engine="tensorrt", max_context=100000).attention_for(dims)
+    with pytest.raises(BuildOptionError, match=r"^--max-prompt 600 must be below the engines' context of 512 tokens$"):
+        BuildOptions(engine="tensorrt", max_prompt=600).attention_for(dims)
+    assert BuildOptions(engine="tensorrt", max_prompt=256, max_context=512).attention_for(dims) == "onnx-ops"
 
 
 def test_build_inspect_generate_on_stories(tmp_path, stories_dir, reference_greedy):

@@ -237,6 +237,7 @@ class BuildOptions:
             raise BuildOptionError(f"--precision {precision} makes MatMulNBits weights, which TensorRT cannot parse; "
                                    "--engine tensorrt takes fp16, bf16 or fp32")
         refuse_fused_attention_on_tensorrt(self.attention, self.tensorrt)
+        self._check_engine_bounds()
         for option, value in (("--block-size", self.block_size), ("--accuracy-level", self.accuracy_level),
                               ("--kernels", None if self.kernels == "onnxruntime" else self.kernels),
                               ("--compute", self.compute)):
@@ -255,6 +256,27 @@ class BuildOptions:
                                    "one-token and multi-token steps differently (int8 activations), so lookahead would "
                                    "not be exact; give --profile greedy-only, or build int4 (float32 compute)")
 
+    def _check_engine_bounds(self) -> None:
+        """The TensorRT engines' bounds: given only for a TensorRT build, each ≥ 1.
+
+        Raises:
+            BuildOptionError: a TensorRT flag on an ONNX Runtime build, or a bound < 1.
+        """
+        given = [flag for flag, on in (("--max-batch", self.max_batch != 1), ("--max-prompt", self.max_prompt is not None),
+                                       ("--max-context", self.max_context is not None),
+                                       ("--version-compatible", self.version_compatible),
+                                       ("--hardware-compatible", self.hardware_compatible)) if on]
+        if given and not self.tensorrt:
+            raise BuildOptionError(f"{given[0]} bounds the TensorRT engines; this build is for ONNX Runtime only: "
+                                   "add --engine tensorrt or drop it")
+        for flag, value, least in (("--max-batch", self.max_batch, 1), ("--max-prompt", self.max_prompt, 1),
+                                   ("--max-context", self.max_context, 2)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise BuildOptionError(f"{flag} must be an integer ≥ {least}, got {value!r}")
+        if self.max_prompt is not None and self.max_context is not None and self.max_prompt >= self.max_context:
+            raise BuildOptionError(f"--max-prompt {self.max_prompt} must be below --max-context {self.max_context} "
+                                   "(a prompt leaves room for new tokens)")
+
     def attention_for(self, dims) -> str:
         """The checks that need the loaded model; returns the attention formulation the
         build exports (:func:`choose_attention`).
@@ -263,9 +285,16 @@ class BuildOptions:
             dims: the model's :class:`lade_export.specs.ModelDims`.
 
         Raises:
-            BuildOptionError: ``--block-size`` does not divide the model's hidden size, or
-                the model's head width does not take ``group-query-attention``.
+            BuildOptionError: ``--block-size`` does not divide the model's hidden size, the
+                model's head width does not take ``group-query-attention``, or a TensorRT
+                bound (``--max-context``, ``--max-prompt``) exceeds the model's context.
         """
+        if self.max_context is not None and self.max_context > dims.max_context:
+            raise BuildOptionError(f"--max-context {self.max_context} exceeds the model's context of "
+                                   f"{dims.max_context} tokens")
+        if self.max_prompt is not None and self.max_prompt >= (self.max_context or dims.max_context):
+            raise BuildOptionError(f"--max-prompt {self.max_prompt} must be below the engines' context of "
+                                   f"{self.max_context or dims.max_context} tokens")
         attention = choose_attention(self.attention, dims, tensorrt=self.tensorrt, rows_exact=self.rows_exact)
         quantization = self.quantization
         if quantization is not None and dims.hidden % quantization.block_size:

@@ -110,8 +110,10 @@ class QuantSpec:
     compute: str = "float32"
 
     def __post_init__(self):
-        if self.bits not in (4, 8) or self.head_bits not in (0, 4, 8):
-            raise ProfileError(f"quantization bits must be 4 or 8, got {self.bits} (head {self.head_bits})")
+        if self.bits not in (4, 8):
+            raise ProfileError(f"quantization bits must be 4 or 8, got {self.bits}")
+        if self.head_bits not in (0, 4, 8):
+            raise ProfileError(f"--head-bits must be 0 (float32), 4 or 8, got {self.head_bits}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ProfileError(f"--block-size must be a power of two ≥ 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
@@ -155,10 +157,10 @@ class QuantSpec:
             if accuracy_level is not None:
                 raise ProfileError(f"--accuracy-level picks the compute type of ONNX Runtime's MatMulNBits; --kernels "
                                    f"lade takes --compute int8|float32 instead: drop --accuracy-level {accuracy_level}")
-            return cls(bits, block_size or LANE_BLOCK, 0, 8 if head_bits is None else head_bits, kernels,
-                       compute or "int8")
+            return cls(bits, LANE_BLOCK if block_size is None else block_size, 0, 8 if head_bits is None else head_bits,
+                       kernels, compute or "int8")
         level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)
-        return cls(bits, block_size or 32, level, head_bits or 0, kernels, compute or "float32")
+        return cls(bits, 32 if block_size is None else block_size, level, head_bits or 0, kernels, compute or "float32")
 
     def as_dict(self) -> dict:
         if self.kernels == "lade":
