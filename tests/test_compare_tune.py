@@ -154,6 +154,17 @@ def test_compare_skips_records_that_do_not_fit_and_says_so(tmp_path, stories_art
     assert "| mixed | small | 3 |" in md
 
 
+def test_compare_refuses_a_profile_named_as_its_baseline(tmp_path, stories_artifact):
+    """``--profile greedy`` would be recorded under the baseline's label and merge with it."""
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "greedy", "--limit", "1",
+                                       "--max-new-tokens", "8", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("error: profile 'greedy' is the name of the baseline every comparison runs; "
+                                     "compare lookahead profiles against it")
+    assert not out.exists()
+
+
 def test_tune_skips_records_that_do_not_fit_and_records_them(tmp_path, stories_artifact):
     data = _with_long_records(tmp_path, bom=True)  # and a byte-order mark, as a Windows editor writes it
     out = tmp_path / "tuned.toml"

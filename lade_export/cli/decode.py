@@ -97,6 +97,9 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
             raise GenerationError(f"{option} needs --temperature > 0 (without it decoding is greedy)")
     if check_greedy and not sampling.greedy:
         raise GenerationError("--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0")
+    if profile_value is not None and (greedy or not lookahead):
+        raise GenerationError(f"--profile {profile_value} asks for lookahead, which "
+                              f"{'--greedy' if greedy else '--no-lookahead'} turns off: give one of them")
     lookahead = lookahead and not greedy
     model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype,
                  verify="full" if verify else "quick")
@@ -150,7 +153,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
         base = model.generate(ids, max_new_tokens=max_new_tokens, profile=GREEDY, stop=stops)
         same = base.token_ids == result.token_ids
         speedup = base.stats.decode_s / result.stats.decode_s if result.stats.decode_s else 0.0
-        click.echo(f"[greedy] {base.stats.line()}", err=True)
+        click.echo(f"[check-greedy: no lookahead, greedy] {base.stats.line()}", err=True)
         click.echo(f"identical to greedy: {'yes' if same else 'NO'} · decode speedup {speedup:.2f}x", err=True)
         if not same:
             sys.exit(1)

@@ -201,6 +201,10 @@ class Comparison:
                  sampling=None, extra_engines=()):
         self.decoder, self.tokenizer, self.chat = decoder, tokenizer, chat
         self.profiles = list(profiles)
+        clash = next((p.name for p in self.profiles if p.name in BASELINES), None)
+        if clash is not None:  # its records would merge with the baseline's
+            raise GenerationError(f"profile {clash!r} is the name of the baseline every comparison runs; compare "
+                                  "lookahead profiles against it")
         self.max_new_tokens = max_new_tokens
         self.peers = peers
         self.progress = progress
@@ -317,7 +321,8 @@ def run_compare(decoder, tokenizer, chat: bool, datasets: list[str], profiles: l
         :class:`SkippedRecord` of each record left out.
 
     Raises:
-        GenerationError: a dataset cannot be read (:func:`lade_export.evaluation.datasets.load_prompts`).
+        GenerationError: a dataset cannot be read (:func:`lade_export.evaluation.datasets.load_prompts`),
+            or a profile is named as a baseline (``greedy``, ``sampling``: its records would merge).
     """
     comparison = Comparison(decoder, tokenizer, chat, profiles, max_new_tokens, peers=peers, progress=progress,
                             sampling=sampling, extra_engines=extra_engines)
