@@ -6,7 +6,7 @@ Listed are the package's own modules and the heavy export-time libraries (torch,
 transformers, onnx, onnxscript, tensorrt).
 
     python scripts/import_graph.py            # every module
-    python scripts/import_graph.py --runtime  # only modules that reach no export-time library
+    python scripts/import_graph.py --runtime  # only the run-time side: modules outside graph.py and export/
     git worktree add /tmp/before 1126a11 && python scripts/import_graph.py --root /tmp/before
                                               # another checkout (here: before the layout of issue 24)
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import sys
 from pathlib import Path
 
 HEAVY = ("torch", "transformers", "onnx", "onnxscript", "tensorrt")
@@ -73,12 +74,14 @@ MODULES = {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", action="store_true",
-                        help="only modules whose imports, followed through the package, reach none of "
-                             + ", ".join(HEAVY) + " at module level")
+                        help="only the run-time side (every module but lade_export.graph and lade_export.export.*); "
+                             "one that pulls in " + ", ".join(HEAVY) + " when imported is marked")
     parser.add_argument("--root", type=Path, default=None, help="the checkout to read (default: this one)")
     args = parser.parse_args()
     global ROOT, MODULES
     if args.root is not None:
+        if not (args.root / PACKAGE).is_dir():
+            parser.error(f"{args.root} has no {PACKAGE}/ folder: give a checkout of this project")
         ROOT = args.root.resolve()
         MODULES = {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
     graph = {module_name(p): imports_of(p) for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
@@ -97,12 +100,20 @@ def main() -> None:
                 out |= heavy(parent, seen + (mod,))
         return out
 
+    export_side = ("lade_export.graph", "lade_export.export")
     for mod in sorted(graph):
-        if args.runtime and heavy(mod):
-            continue
+        mark = ""
+        if args.runtime:
+            if any(mod == e or mod.startswith(e + ".") for e in export_side):
+                continue
+            pulled = heavy(mod)
+            mark = f"   [imports {', '.join(sorted(pulled))} when imported: not run-time]" if pulled else ""
         deps = ", ".join(d + (" (lazy)" if lazy else "") for d, lazy in sorted(graph[mod].items()))
-        print(f"{mod} -> {deps}")
+        print(f"{mod} -> {deps}{mark}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        sys.stderr.close()
