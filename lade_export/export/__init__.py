@@ -10,10 +10,15 @@ module                      job
 ``fusion``                  sibling MatMuls (q/k/v, gate/up) fused into one each
 ``sanitize``                onnxslim folding and graph clean-up
 ``quantize``                int4/int8 graphs (``MatMulNBits`` or this project's kernels), quality report
+``quantized_ops``           the ONNX nodes of quantized MatMuls and embeddings
+``weight_blocks``           block quantization grids and the kernels' lane packing (numpy)
+``attention_rows``          the int8 path's attention swapped for the kernels' ``AttentionRows``
 ``precision``               graphs exported in float16/bfloat16 for TensorRT
 ``parity``                  ONNX Runtime against PyTorch and transformers on real prompts
 ``optimization_profiles``   TensorRT optimization profiles (min/opt/max shapes) per lookahead profile
 ``tensorrt_build``          TensorRT engines built from the step graph (``backends.tensorrt`` runs them)
+``build_options``           the build's flags and the checks that they go together
+``build_checks``            the build's tokenizer and transformers parity checks
 ``build``                   the pipeline that writes an artifact (``lade-export build``)
 ``check``                   re-validate a built artifact (``lade-export check``)
 ``torch_engine``            the PyTorch reference engine (``backend="torch"``)
