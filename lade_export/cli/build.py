@@ -83,6 +83,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     options.check()  # the flags' own errors before the profiles'
     profiles = _profiles(profile_values or (options.default_profile,))
     options.check(profiles)
+    options.check_timing_cache(timing_cache)
     # before any work: no compiler or headers (downloaded now if missing, not in a dry run), nothing is written
     headers_at_hand, notes = options.prepare_kernels(fetch=not dry_run)
     for note in notes:

@@ -273,9 +273,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
         raise BuildOptionError("give the build's options either as options= or as engine_options=, quantization= "
                                "and attention=, not both")
     options.check(profiles)  # before any work: nothing is loaded or written
-    if timing_cache is not None and not options.tensorrt:
-        raise BuildOptionError("--timing-cache is TensorRT's builder cache; this build is for ONNX Runtime only: "
-                               "add --engine tensorrt or drop it")
+    options.check_timing_cache(timing_cache)
     if options.tensorrt:
         from .tensorrt_build import require_builder
 

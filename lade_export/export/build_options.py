@@ -256,6 +256,16 @@ class BuildOptions:
                                    "one-token and multi-token steps differently (int8 activations), so lookahead would "
                                    "not be exact; give --profile greedy-only, or build int4 (float32 compute)")
 
+    def check_timing_cache(self, timing_cache) -> None:
+        """Refuse a TensorRT timing cache (``--timing-cache``) for a build without TensorRT.
+
+        Raises:
+            BuildOptionError: ``timing_cache`` given and this is not a TensorRT build.
+        """
+        if timing_cache is not None and not self.tensorrt:
+            raise BuildOptionError("--timing-cache is TensorRT's builder cache; this build is for ONNX Runtime only: "
+                                   "add --engine tensorrt or drop it")
+
     def _check_engine_bounds(self) -> None:
         """The TensorRT engines' bounds: given only for a TensorRT build, each ≥ 1.
 
