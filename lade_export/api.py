@@ -73,7 +73,7 @@ def load(artifact_dir: str | Path, backend: str = "ort", *, threads: int | None 
     """
     from .backends import open_engine
 
-    if threads is not None and (isinstance(threads, bool) or not is_integer_number(threads) or threads < 1):
+    if threads is not None and (not is_integer_number(threads) or threads < 1):
         raise GenerationError(f"threads must be an integer ≥ 1 (None: one per core), got {shown_value(threads)}")
 
     if backend == "torch":  # the PyTorch reference engine is the export side's: importing it registers it

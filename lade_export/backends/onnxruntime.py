@@ -233,17 +233,11 @@ class OrtEngine:
         device, other writes uploaded — then only ``input_ids``, ``position_ids``,
         ``attention_mask`` and ``logits_positions`` are uploaded; the outputs
         (``next_token_ids``, ``present.*``, ``logits`` when asked) are copied back."""
-        from .cuda import KVMirror, grow_buffer
+        from .cuda import grow_buffer, mirror_for
 
         memory, device = self.device_memory, self._bind_device
         with self._device_lock:
-            for key in [k for k, m in self._mirrors.items() if m.cache() is None]:
-                self._mirrors.pop(key).close()
-            mirror = self._mirrors.get(id(cache))
-            if mirror is None or mirror.cache() is not cache:
-                if mirror is not None:
-                    mirror.close()
-                mirror = self._mirrors[id(cache)] = KVMirror(memory, cache, self._past_names)
+            mirror = mirror_for(self._mirrors, memory, cache, self._past_names)
             mirror.sync(cache, feeds, self._latest)
             self._latest = None
             binding = self.session.io_binding()
