@@ -19,21 +19,22 @@ import sys
 from pathlib import Path
 
 HEAVY = ("torch", "transformers", "onnx", "onnxscript", "tensorrt")
-ROOT = Path(__file__).resolve().parents[1]  # --root replaces it
+ROOT = Path(__file__).resolve().parents[1]  # this checkout (--root reads another)
 PACKAGE = "lade_export"
 
 
-def module_name(path: Path) -> str:
-    """``lade_export/a/b.py`` → ``lade_export.a.b`` (``__init__`` names its package)."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path) -> str:
+    """``ROOT/lade_export/a/b.py`` → ``lade_export.a.b`` (``__init__`` names its package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path) -> dict[str, bool]:
-    """Imported names of interest → whether every import of it is inside a function."""
-    name = module_name(path)
+def imports_of(path: Path, root: Path, modules: set[str]) -> dict[str, bool]:
+    """Imported names of interest (``modules`` of the package, :data:`HEAVY` libraries) →
+    whether every import of it is inside a function."""
+    name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: dict[str, bool] = {}
     tree = ast.parse(path.read_text(), str(path))
@@ -54,7 +55,7 @@ def imports_of(path: Path) -> dict[str, bool]:
                 top = t.split(".")[0]
                 if top == PACKAGE:
                     key = t
-                    while key not in MODULES and "." in key:  # `from .x import Name`
+                    while key not in modules and "." in key:  # `from .x import Name`
                         key = key.rpartition(".")[0]
                 elif top in HEAVY:
                     key = top
@@ -68,9 +69,6 @@ def imports_of(path: Path) -> dict[str, bool]:
     return found
 
 
-MODULES = {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", action="store_true",
@@ -78,13 +76,12 @@ def main() -> None:
                              "one that pulls in " + ", ".join(HEAVY) + " when imported is marked")
     parser.add_argument("--root", type=Path, default=None, help="the checkout to read (default: this one)")
     args = parser.parse_args()
-    global ROOT, MODULES
-    if args.root is not None:
-        if not (args.root / PACKAGE).is_dir():
-            parser.error(f"{args.root} has no {PACKAGE}/ folder: give a checkout of this project")
-        ROOT = args.root.resolve()
-        MODULES = {module_name(p) for p in (ROOT / PACKAGE).rglob("*.py")}
-    graph = {module_name(p): imports_of(p) for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+    root = ROOT if args.root is None else args.root.resolve()
+    if not (root / PACKAGE).is_dir():
+        parser.error(f"{args.root} has no {PACKAGE}/ folder: give a checkout of this project")
+    files = sorted((root / PACKAGE).rglob("*.py"))
+    modules = {module_name(p, root) for p in files}
+    graph = {module_name(p, root): imports_of(p, root, modules) for p in files}
 
     def heavy(mod, seen=()):
         """Heavy libraries a module pulls in at import time (module-level imports, transitively)."""
