@@ -17,6 +17,10 @@ For each concurrency level N and each mode, N client threads keep N requests in 
 
 Levels are run in order and the two modes alternate within a level, ``--rounds`` times
 (the machine may be shared: compare ratios within a level; the median round is shown).
+The decodings' order flips every round (greedy, default, then default, greedy, …), and with
+several rounds and decodings each level also prints the median over rounds of each
+decoding's throughput over the first decoding's in the same round and mode: the paired
+figure to read where the machine's speed drifts (one round's ratio moves ±10–20% here).
 Per level and mode it reports aggregate new tokens over wall time (prefill included),
 TTFT p50/p99, per-token latency p50/p99, tokens per decode step, and for the scheduler
 the mean requests and rows per pass and the share of passes per lookahead width (the
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -166,8 +171,10 @@ def main(argv=None) -> int:
     for c in args.concurrency:
         runs = {(d, mode): [] for d in args.decoding for mode in modes}
         runs.update({("greedy", peer): [] for peer in args.peers})
-        for _ in range(args.rounds):
-            for decoding in args.decoding:
+        for k in range(args.rounds):
+            # the decodings' order flips every round (A B, B A, …), so a drift of the machine's speed
+            # within a level weighs on both alike; the paired ratios below come from these rounds
+            for decoding in (args.decoding if k % 2 == 0 else args.decoding[::-1]):
                 lookahead = decoding != "greedy"
                 profile = None if decoding in ("greedy", "default") else decoding
                 for mode in modes:
@@ -207,6 +214,18 @@ def main(argv=None) -> int:
                   f"{s['throughput_tok_s'] / base['throughput_tok_s']:.2f}× | {cpu} | "
                   f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
                   f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | {same} |", flush=True)
+        if args.rounds > 1 and len(args.decoding) > 1:  # per round, each decoding over the first, same mode
+            first = args.decoding[0]
+            for decoding in args.decoding[1:]:
+                for mode in modes:
+                    ratios = sorted(b["throughput_tok_s"] / a["throughput_tok_s"]
+                                    for a, b in zip(runs[first, mode], runs[decoding, mode]))
+                    median = statistics.median(ratios)
+                    report.setdefault("paired_ratios", []).append(
+                        {"concurrency": c, "mode": mode, "decoding": decoding, "over": first, "ratios": ratios,
+                         "median": median})
+                    print(f"|   | {c} | {mode}: {decoding} / {first}, paired rounds | median {median:.3f}× "
+                          f"({ratios[0]:.3f}–{ratios[-1]:.3f}, {len(ratios)} rounds) |", flush=True)
     model.scheduler = None
     for scheduler in schedulers.values():
         scheduler.close()
