@@ -1131,6 +1131,14 @@ LADE_ATTN512 inline void transpose16(const float* keys, int64_t stride, int64_t 
   }
 }
 
+// Asks for the n rows of `bytes` bytes at base, base + stride, … (floats) to be brought into the cache
+// ahead of use: data movement only (a prefetch neither faults nor changes any value).
+LADE_ATTN512 inline void prefetch_rows(const float* base, int64_t stride, int64_t n, int64_t bytes) {
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t at = 0; at < bytes; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + c * stride) + at, _MM_HINT_T0);
+}
+
 // Scores of N rows over one cache block read from the sequence-major cache itself (keys: the block's
 // first key, stride KV·D; D a multiple of 16), 16 elements at a time transposed in registers: the
 // FMAs of group_scores over a [D, 16] tile, in the same order, without the tile.
@@ -1179,6 +1187,10 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
   for (int64_t at = 0; at < nblocks; ++at) {
     const int64_t gi = blocks[at], part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
     const int64_t base = part ? p : 0, j0 = base + i * kKeys, end = base + std::min((part ? s : p), (i + 1) * kKeys);
+    if (job.in_place && at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next cache block's values
+      const int64_t j1 = blocks[at + 1] * kKeys;
+      prefetch_rows(job.pv + ((bi * p + j1) * kv + h) * d, kv * d, std::min(kKeys, p - j1), 4 * d);
+    }
     for (int64_t j = j0; j < end; ++j) {
       const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
                                                  : job.pv + ((bi * kv + h) * p + j) * d)
@@ -1297,6 +1309,10 @@ LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, st
     for (; at < nblocks && blocks[at] < job.nb_p; ++at) {
       const int64_t j0 = blocks[at] * kKeys, width = std::min(kKeys, p - j0);
       const float* keys = job.pk + ((bi * p + j0) * kv + h) * d;
+      if (at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next block's keys, while this one is computed
+        const int64_t j1 = blocks[at + 1] * kKeys;
+        prefetch_rows(job.pk + ((bi * p + j1) * kv + h) * d, kv * d, std::min(kKeys, p - j1), 4 * d);
+      }
       float* dst[kGroupRows];
       for (int r = 0; r < n; ++r) dst[r] = scores[r] + j0;
 #define LADE_DIRECT(M) \
