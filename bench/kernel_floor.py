@@ -111,7 +111,7 @@ def main() -> None:
         precision = artifact.manifest["graph"].get("precision", "fp32")
         # The step through the runtime's engine: a head-major-shared cache is bound in place, as when decoding.
         step = OrtEngine(graph_path, artifact.dims, threads=args.threads, custom_ops=artifact.custom_ops_path)
-        feeds = example_feeds(artifact.dims, step=1, past=args.past, kv_layout=step.kv_layout)
+        feeds = example_feeds(artifact.dims, step=1, past=args.past, kv_layout=step.kv_layout, dtype=step.kv_dtype)
         step_ms = median_ms(step, feeds, args.repeats)
         step.close()
         kernels, count = weight_kernels_model(onnx.load(str(graph_path)))

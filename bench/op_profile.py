@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def per_run(path: str) -> list[dict]:
     """``[{op type: ms}]``, one per ``model_run`` of the session's profile file ``path`` (then
@@ -80,7 +82,9 @@ def main() -> None:
                 session = ort.InferenceSession(str(artifact.onnx_path), options, providers=["CPUExecutionProvider"])
                 feeds = example_feeds(artifact.dims, step=size, past=past,
                                       kv_layout=artifact.manifest["graph"].get("kv_cache", "sequence-major"))
-                feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+                # a float16 cache input (the integer path's) gets float16 feeds
+                feeds = {i.name: feeds[i.name].astype(np.float16) if i.type == "tensor(float16)" else feeds[i.name]
+                         for i in session.get_inputs()}
                 runs.append((path.name, past, size, session, feeds))
     for r in range(args.repeats + 1):  # the first round warms up
         for name, past, size, session, feeds in runs[r % len(runs):] + runs[:r % len(runs)]:

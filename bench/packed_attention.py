@@ -70,12 +70,14 @@ def main(argv=None) -> int:
         print("| cached tokens | " + " | ".join(["all", "first", "own", "own, packed positions", "1-token"]) + " |")
         print("| ---: |" + " ---: |" * 5)
         for past in args.past:
-            base = example_feeds(engine.dims, step=args.step, past=past, kv_layout=engine.kv_layout)
+            base = example_feeds(engine.dims, step=args.step, past=past, kv_layout=engine.kv_layout,
+                                 dtype=engine.kv_dtype)
             runs = {kind: {**base, "attention_mask": mask} for kind, mask in masks(args.step, past).items()}
             per = past // args.step
             runs["own, packed positions"] = {**runs["own"], "position_ids":
                                              (per + 7 * np.arange(args.step, dtype=np.int64))[None]}
-            runs["1-token"] = example_feeds(engine.dims, step=1, past=past, kv_layout=engine.kv_layout)
+            runs["1-token"] = example_feeds(engine.dims, step=1, past=past, kv_layout=engine.kv_layout,
+                                            dtype=engine.kv_dtype)
             for feeds in runs.values():
                 engine.run(feeds)
             times = {k: [] for k in runs}

@@ -93,7 +93,7 @@ def interleaved_curves(paths, sizes, past: int, repeats: int, threads: int | Non
         for size in sizes:
             if past + size <= engine.dims.max_context:
                 runs.append((name, size, engine, example_feeds(engine.dims, step=size, past=past,
-                                                               kv_layout=getattr(engine, "kv_layout", "sequence-major"))))
+                                                               kv_layout=engine.kv_layout, dtype=engine.kv_dtype)))
     for _, _, engine, feeds in runs:
         engine.run(feeds)
     times = {(name, size): [] for name, size, _, _ in runs}

@@ -1,7 +1,8 @@
 """The host-side KV cache one request owns.
 
 Two layouts, the step graph's contract (:mod:`lade_export.specs`, ``KV_LAYOUTS``); in
-both, per layer one float32 key buffer and one value buffer, RoPE already applied to the
+both, per layer one key buffer and one value buffer (float32, or float16 where the engine
+keeps a half-precision cache: its ``kv_dtype``), RoPE already applied to the
 keys, filled up to ``length`` tokens in sequence order, and no step copies the context:
 
 * ``sequence-major`` — buffers ``[1, capacity, kv_heads, head_dim]``. The filled prefix
@@ -70,13 +71,16 @@ class KVCache:
         layout: one of :data:`lade_export.specs.KV_LAYOUTS` (the engine's ``kv_layout``).
         step_room: tokens of scratch space after ``capacity`` for the widest step
             (``head-major-shared`` only: the engine writes a whole step before any is kept).
+        dtype: the buffers' dtype, the engine's ``kv_dtype`` (float32; float16 for the
+            integer path's half-precision cache).
 
     Raises:
         ValueError: an unknown ``layout``.
         GenerationError: an append would exceed ``capacity``.
     """
 
-    def __init__(self, dims: ModelDims, capacity: int, layout: str = "sequence-major", step_room: int = 0):
+    def __init__(self, dims: ModelDims, capacity: int, layout: str = "sequence-major", step_room: int = 0,
+                 dtype=np.float32):
         if layout not in KV_LAYOUTS:
             raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
         self.dims = dims
@@ -90,8 +94,9 @@ class KVCache:
             shape = (1, capacity, dims.kv_heads, dims.head_dim)
         else:
             shape = (1, dims.kv_heads, capacity + step_room, dims.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(dims.num_layers)]
+        self.dtype = np.dtype(dtype)
+        self.keys = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
+        self.values = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
         self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
         _OWNERS[id(self.keys[0])] = self
 

@@ -560,6 +560,8 @@ class QuantizedGraph(_Section):
         bytes_after: bytes of the quantized files.
         attention_rows: attentions computed by the lade kernels' ``AttentionRows`` (int8
             compute), None otherwise.
+        kv_cache_dtype: ``float16`` where the graph keeps its KV cache in float16
+            (:func:`lade_export.export.attention_rows.half_precision_cache`), None for float32.
         extra: keys this version does not know, kept.
     """
 
@@ -569,6 +571,7 @@ class QuantizedGraph(_Section):
     bytes_before: int | None = None
     bytes_after: int | None = None
     attention_rows: int | None = None
+    kv_cache_dtype: str | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
 

@@ -165,10 +165,12 @@ class TokenPool:
             ``initial``), never allocated at the limit.
         initial: first capacity in tokens.
         regions: place each request in a contiguous region (above).
+        dtype: the buffers' dtype, the engine's ``kv_dtype``.
 
     ``used`` is the graph's ``past``: the pool columns a pass feeds, ``[0, used)``; column
     ``c`` belongs to request ``owner[c]`` (−1: free or not yet filled).
-    Memory: ``(capacity + step_room) × dims.kv_bytes_per_token`` bytes (:attr:`nbytes`).
+    Memory: ``(capacity + step_room) × dims.kv_bytes_per_token`` bytes (:attr:`nbytes`; half
+    that in float16).
 
     Raises:
         ValueError: ``regions`` on a layout other than ``sequence-major``.
@@ -177,7 +179,7 @@ class TokenPool:
     """
 
     def __init__(self, dims: ModelDims, layout: str, step_room: int, limit: int, initial: int = 1024,
-                 regions: bool = False):
+                 regions: bool = False, dtype=np.float32):
         if regions and layout != "sequence-major":
             raise ValueError(f"KV regions need the sequence-major cache layout, not {layout!r}")
         self.dims = dims
@@ -186,7 +188,7 @@ class TokenPool:
         self.limit = limit
         self.regions = regions
         self.owner = np.zeros(0, dtype=np.int64)  # [used]
-        self.cache = KVCache(dims, min(initial, limit), layout, step_room=step_room)
+        self.cache = KVCache(dims, min(initial, limit), layout, step_room=step_room, dtype=dtype)
         self._region: dict[int, list[int]] = {}  # owner -> [start, size, filled] (regions)
 
     @property
@@ -214,7 +216,7 @@ class TokenPool:
         return (r[0], r[1]) if r is not None else None
 
     def _grow(self, capacity: int) -> None:
-        grown = KVCache(self.dims, capacity, self.layout, step_room=self.step_room)
+        grown = KVCache(self.dims, capacity, self.layout, step_room=self.step_room, dtype=self.cache.dtype)
         n = self.used
         for old, new in zip((*self.cache.keys, *self.cache.values), (*grown.keys, *grown.values)):
             if self.layout == "sequence-major":

@@ -60,6 +60,8 @@ class Engine(Protocol):
             ``"sequence-major"`` (``past_key_values.*`` float32 [batch, past, kv_heads,
             head_dim]) or ``"head-major-shared"`` (float32 [batch, kv_heads, capacity,
             head_dim] buffers the step writes into, see :mod:`lade_export.kv_cache`).
+        kv_dtype: numpy dtype of those cache tensors (float32; float16 for the integer
+            path's half-precision cache): the dtype the runtime allocates caches in.
         step_room: for a graph whose rotary table ends ``step_room`` tokens after the
             context (``GroupQueryAttention``), that number of tokens: no step is wider
             and a packed pass's keys stay below ``max_context + step_room``; None: no such limit.
@@ -72,6 +74,7 @@ class Engine(Protocol):
     name: str
     dims: ModelDims
     kv_layout: str
+    kv_dtype: object
     step_room: int | None
     attention_skips: int
 
@@ -452,6 +455,7 @@ class Decoder:
         state = new_state(profile, self.dims.vocab, prompt, rules, req.sampling)
         stats = GenerationStats(prompt_tokens=len(prompt), decoding=req.sampling.describe())
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens, layout=self.engine.kv_layout,
+                        dtype=self.engine.kv_dtype,
                         step_room=profile.max_step)
         key = id(cache)
         # the request's steps carry the engine's plan for its profile (none: the engine's own choice)

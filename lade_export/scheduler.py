@@ -201,8 +201,9 @@ class Scheduler:
         prefill_chunk: prompt tokens a pass without decode steps may take (default
             :data:`PREFILL_CHUNK`).
         max_batch: requests in flight; later ones wait (default :data:`MAX_BATCH`).
-        kv_tokens: most tokens the KV pool holds over all requests (float32 keys and
-            values, ``dims.kv_bytes_per_token`` bytes each; allocated as requests need it).
+        kv_tokens: most tokens the KV pool holds over all requests (keys and values in
+            the engine's ``kv_dtype``: float32, ``dims.kv_bytes_per_token`` bytes each, or
+            float16 on the integer path, half that; allocated as requests need it).
             Default: ``max_batch × max_context``; on a ``group-query-attention`` graph at
             most ``max_context`` (a pass's keys, pool and step, must fit the graph's rotary
             table of ``max_context + step_room`` rows).
@@ -256,7 +257,8 @@ class Scheduler:
         layout = self.engine.kv_layout
         # one contiguous region per request where attention skips the key blocks a row cannot see
         regions = layout == "sequence-major" and self.engine.attention_skips > 0
-        self.pool = TokenPool(dims, layout, 0, limit, initial=min(limit, 1024), regions=regions)
+        self.pool = TokenPool(dims, layout, 0, limit, initial=min(limit, 1024), regions=regions,
+                              dtype=self.engine.kv_dtype)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._active: list[_Request] = []

@@ -82,7 +82,8 @@ class ModelDims:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of float32 keys and values one cached token takes over all layers."""
+        """Bytes of float32 keys and values one cached token takes over all layers (half
+        that where the graph keeps a float16 cache: the integer path's)."""
         return 2 * self.num_layers * self.kv_heads * self.head_dim * 4
 
 
@@ -134,7 +135,7 @@ KV_LAYOUTS = ("sequence-major", "head-major-shared")
 
 
 def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, float_dtype: str = "float32",
-                  kv_layout: str = "sequence-major"):
+                  kv_layout: str = "sequence-major", kv_dtype: str | None = None):
     """Return ``(inputs, outputs)``: lists of :class:`TensorSpec` for the decoder step.
 
     Args:
@@ -143,6 +144,9 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
         head_dim: per-head width.
         vocab: vocabulary size (last dim of ``logits``).
         float_dtype: dtype of the KV cache and logits.
+        kv_dtype: dtype of the KV cache where it differs from ``float_dtype`` (``float16``:
+            the integer path's half-precision cache,
+            :func:`lade_export.export.attention_rows.half_precision_cache`); None: ``float_dtype``.
         kv_layout: one of :data:`KV_LAYOUTS`.
 
     Raises:
@@ -151,6 +155,7 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     shared = kv_layout == "head-major-shared"
+    cache_dtype = kv_dtype or float_dtype
     inputs = [
         TensorSpec("input_ids", ("batch", "step"), "int64", "token ids of this step, in feed order"),
         TensorSpec("position_ids", ("batch", "step"), "int64", "RoPE position of each fed token (need not be contiguous)"),
@@ -170,10 +175,10 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     for i in range(num_layers):
         for name in (past_key_name(i), past_value_name(i)):
             inputs.append(
-                TensorSpec(name, ("batch", kv_heads, "capacity", head_dim), float_dtype,
+                TensorSpec(name, ("batch", kv_heads, "capacity", head_dim), cache_dtype,
                            f"layer {i} keys/values buffer, head-major, filled up to past (RoPE applied to keys)")
                 if shared else
-                TensorSpec(name, ("batch", "past", kv_heads, head_dim), float_dtype,
+                TensorSpec(name, ("batch", "past", kv_heads, head_dim), cache_dtype,
                            f"layer {i} cached keys/values, sequence-major (RoPE applied to keys)")
             )
     outputs = [
@@ -183,10 +188,10 @@ def step_io_specs(num_layers: int, kv_heads: int, head_dim: int, vocab: int, flo
     for i in range(num_layers):
         for name in (present_key_name(i), present_value_name(i)):
             outputs.append(
-                TensorSpec(name, ("batch", kv_heads, "capacity", head_dim), float_dtype,
+                TensorSpec(name, ("batch", kv_heads, "capacity", head_dim), cache_dtype,
                            f"layer {i} the past buffer with this step's keys/values at [past, past+step)")
                 if shared else
-                TensorSpec(name, ("batch", "step", kv_heads, head_dim), float_dtype,
+                TensorSpec(name, ("batch", "step", kv_heads, head_dim), cache_dtype,
                            f"layer {i} keys/values of this step only, sequence-major")
             )
     return inputs, outputs

@@ -254,8 +254,21 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     assert ops.count("MatMulBlockQ") == 16 and ops.count("GatherBlockQ") == 1
     computes = [a.i for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
     assert computes == [1] * 16
-    # each layer's attention is one AttentionRows: no Softmax, and the only float MatMuls left are the down projections
-    assert ops.count("AttentionRows") == 5 and "Softmax" not in ops
+    # each layer's attention is one AttentionRows over a float16 cache: no Softmax, and the only float MatMuls left
+    # are the down projections
+    assert ops.count("AttentionRowsHalfCache") == 5 and "Softmax" not in ops
+    assert m["quantization"]["graph"]["kv_cache_dtype"] == "float16"
+    assert "(sequence-major), float16, RoPE applied to keys" in m["graph"]["kv_layout"]
+    cache_specs = [t for t in m["graph"]["inputs"] + m["graph"]["outputs"]
+                   if t["name"].startswith(("past_key_values.", "present."))]
+    assert len(cache_specs) == 20 and {t["dtype"] for t in cache_specs} == {"float16"}
+    with lade_export.load(stories_lade) as model:  # the runtime keeps the cache in the graph's dtype
+        assert model.decoder.engine.kv_dtype == np.float16
+        from lade_export.kv_cache import KVCache
+
+        dims = model.decoder.dims
+        cache = KVCache(dims, 10, dtype=model.decoder.engine.kv_dtype)
+        assert cache.nbytes == 10 * dims.kv_bytes_per_token // 2
     weights = {i.name for i in graph.graph.initializer}
     assert "MatMulNBits" not in ops
     assert sum(n.op_type == "MatMul" for n in graph.graph.node) == 5
@@ -324,13 +337,16 @@ def test_attention_rows_matches_float64_and_names_bad_shapes(library):
         sess.run(None, {"q": q, "pk": pk, "k": k, "pv": pv[:, :, 1:], "v": v, "m": masked})
 
 
-def _attention_rows(library, past_layout=None, threads=2):
+def _attention_rows(library, past_layout=None, threads=2, half_cache=False):
+    """A session of one ``AttentionRows`` (``AttentionRowsHalfCache`` with ``half_cache``:
+    float16 pk and pv, read in place)."""
     from onnx import TensorProto, helper
 
     extra = {} if past_layout is None else {"past_layout": past_layout}
-    node = helper.make_node("AttentionRows", ["q", "pk", "k", "pv", "v", "m"], ["o"], domain="lade_export", scale=0.125,
-                            **extra)
-    names = [("q", TensorProto.FLOAT), ("pk", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("pv", TensorProto.FLOAT),
+    op = "AttentionRowsHalfCache" if half_cache else "AttentionRows"
+    node = helper.make_node(op, ["q", "pk", "k", "pv", "v", "m"], ["o"], domain="lade_export", scale=0.125, **extra)
+    cache = TensorProto.FLOAT16 if half_cache else TensorProto.FLOAT
+    names = [("q", TensorProto.FLOAT), ("pk", cache), ("k", TensorProto.FLOAT), ("pv", cache),
              ("v", TensorProto.FLOAT), ("m", TensorProto.BOOL)]
     return _session(library, [node], {}, [(n, t, None) for n, t in names], threads=threads)
 
@@ -406,8 +422,9 @@ def test_attention_rows_bits_do_not_depend_on_masked_columns_or_the_cache_layout
 # attention, which computes rows that see the same key blocks together; the others the scalar one, row by
 # row): 32 step tokens over a cache, each run as one step, and as steps of 1…32 rows with the tokens before
 # them moved into the cache; every row must be the same bits in each, under 1 and 2 threads, on both cache
-# layouts. Lookahead-like masks (each row sees a random subset of its history) and NaN in columns no row
-# sees (a pool's unused room) included. Prints a digest of all outputs per thread count.
+# layouts and on a float16 cache (AttentionRowsHalfCache, keys and values rounded to float16 wherever they
+# sit, as the graph rounds a step's). Lookahead-like masks (each row sees a random subset of its history) and
+# NaN in columns no row sees (a pool's unused room) included. Prints a digest of all outputs per thread count.
 _ATTENTION_CHECK = r"""
 import hashlib, json, sys
 import numpy as np
@@ -418,6 +435,7 @@ independent, digests, runs = True, {}, 0
 for threads in (1, 2):
     digest = hashlib.sha256()
     sessions = {layout: _attention_rows(sys.argv[1], past_layout=layout, threads=threads) for layout in (None, 1)}
+    sessions["half"] = _attention_rows(sys.argv[1], past_layout=1, threads=threads, half_cache=True)
     for kv, group, d, past, tree in ((1, 1, 8, 0, False), (2, 3, 8, 21, True), (3, 3, 64, 37, False),
                                      (3, 3, 64, 300, True), (2, 4, 72, 50, True), (1, 2, 128, 19, False)):
         rng = np.random.default_rng(kv * 1000 + d + past)
@@ -431,21 +449,23 @@ for threads in (1, 2):
             sees[np.arange(32), past + np.arange(32)] = True
             sees[:, 5:9] = False  # columns no row sees hold NaN: never read, or masked inside a seen block
             keys[:, 5:9] = values[:, 5:9] = np.nan
+        halves = (keys.astype(np.float16), values.astype(np.float16))
 
         def step(a, width, layout):  # step tokens [a, a + width), the ones before them in the cache
             p = past + a
-            ck, cv = keys[:, :p], values[:, :p]
+            hk, hv = halves if layout == "half" else (keys, values)
+            ck, cv = hk[:, :p], hv[:, :p]
             if layout is None:
                 ck, cv = ck.transpose(0, 2, 3, 1), cv.transpose(0, 2, 1, 3)
             feeds = {"q": np.ascontiguousarray(q[:, :, :, a:a + width].reshape(1, kv, group * width, d)),
                      "pk": np.ascontiguousarray(ck), "pv": np.ascontiguousarray(cv),
-                     "k": np.ascontiguousarray(keys[:, p:p + width].transpose(0, 2, 3, 1)),
-                     "v": np.ascontiguousarray(values[:, p:p + width].transpose(0, 2, 1, 3)),
+                     "k": np.ascontiguousarray(hk[:, p:p + width].astype(np.float32).transpose(0, 2, 3, 1)),
+                     "v": np.ascontiguousarray(hv[:, p:p + width].astype(np.float32).transpose(0, 2, 1, 3)),
                      "m": ~sees[a:a + width, :p + width][None, None, None]}
             out = sessions[layout].run(None, feeds)[0]
             return out.reshape(1, kv, group, width, d)
 
-        for layout in (None, 1):
+        for layout in (None, 1, "half"):
             whole = step(0, 32, layout)
             digest.update(whole.tobytes())
             for width in (1, 2, 3, 5, 8, 16, 17, 31, 32):
@@ -469,12 +489,13 @@ def test_attention_rows_gives_each_row_its_bits_alone_in_any_step_thread_count_a
     """A token's attention output is the same bits computed alone over its history (the tokens
     before it in the cache) and inside steps of 2…32 rows, with its query heads and step rows
     computed together (the AVX-512 attention's groups) or one by one (the scalar one), on 1 or
-    2 threads: what keeps lookahead exact on int8-compute graphs."""
+    2 threads, over a float32 cache and over a float16 one: what keeps lookahead exact on
+    int8-compute graphs."""
     _skip_unless_runs(library, path)
     got = portable_attention if path == "portable" else _forced(path, _ATTENTION_CHECK, library,
                                                                 os.path.dirname(__file__))
     assert got["path"] == path
-    assert got["runs"] == 2 * 6 * 2 * 24  # threads × shapes × cache layouts × (width, start) pairs
+    assert got["runs"] == 2 * 6 * 3 * 24  # threads × shapes × caches (transposed, in place, float16) × (width, start)
     assert got["independent"] is True
     assert got["digests"]["1"] == got["digests"]["2"]
     assert got["digests"] == portable_attention["digests"]  # AVX-512 groups and scalar rows: the same bits
@@ -492,7 +513,10 @@ def test_the_int8_graph_reads_its_cache_in_place_and_batches_in_regions(stories_
 
     graph = onnx.load(str(stories_lade / "model.onnx"), load_external_data=False).graph
     inputs = {i.name for i in graph.input}
-    rows = [n for n in graph.node if n.op_type == "AttentionRows"]
+    rows = [n for n in graph.node if n.op_type == "AttentionRowsHalfCache"]  # float16 cache, read in place
+    assert not [n for n in graph.node if n.op_type == "AttentionRows"]
+    cache_io = [t for t in (*graph.input, *graph.output) if t.name.startswith(("past_key_values.", "present."))]
+    assert len(cache_io) == 4 * 5 and {t.type.tensor_type.elem_type for t in cache_io} == {onnx.TensorProto.FLOAT16}
     assert [next(a.i for a in n.attribute if a.name == "past_layout") for n in rows] == [1] * 5
     assert [(n.input[1], n.input[3]) for n in rows] == [(f"past_key_values.{i}.key", f"past_key_values.{i}.value")
                                                         for i in range(5)]

@@ -44,6 +44,9 @@ class OrtEngine:
             (float32 C-contiguous [batch, kv_heads, capacity, head_dim]) and binds the
             matching ``present.*`` output to the same memory, so ONNX Runtime writes this
             step's keys and values into the caller's buffer and copies nothing else.
+        kv_dtype: numpy dtype of the graph's ``past_key_values.*`` / ``present.*`` tensors:
+            float16 for the integer path's half-precision cache, else float32; ``run``
+            converts a cache feed of another dtype (a copy: feeds built by hand).
         step_room: for a ``GroupQueryAttention`` graph, the tokens its rotary table holds
             past the context (model metadata ``step_room``); None for other graphs.
         attention_skips: 16 when the graph's ``AttentionRows`` skip fully masked blocks of
@@ -107,6 +110,8 @@ class OrtEngine:
         self._fast_outputs = [n for n in self._all_outputs if n != "logits"]
         meta = self.session.get_modelmeta().custom_metadata_map
         self.kv_layout = meta.get("kv_layout", "sequence-major")
+        past_type = next((i.type for i in self.session.get_inputs() if i.name == past_key_name(0)), "tensor(float)")
+        self.kv_dtype = np.dtype(np.float16 if past_type == "tensor(float16)" else np.float32)
         self.step_room = int(meta["step_room"]) if "step_room" in meta else None
         skips = meta.get("attention_skips_masked", "0")
         self.attention_skips = int(skips) if skips.isdigit() else 0
@@ -130,6 +135,7 @@ class OrtEngine:
             else:
                 self.device_memory = HostMemory()
         self._past_names = [n for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))]
+        self._past_set = set(self._past_names)
         self._mirrors = {}  # id(KVCache) -> KVMirror
         self._latest = None  # (present.0.key of the latest device step, {past name: (its present buffer, 0)})
         self._device_buffers = {}  # input/output name -> DeviceBuffer of the device steps
@@ -175,7 +181,10 @@ class OrtEngine:
                         int(n.split(".")[1])] for n in self._past_names):
                 return self._run_device(feeds, with_logits, cache)
         names = self._all_outputs if with_logits else self._fast_outputs
-        feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
+        # a cache of another float type (feeds made by hand, float32 by default) is converted, a copy;
+        # the runtime's own caches are allocated in kv_dtype and pass as they are
+        feeds = {k: np.ascontiguousarray(v, dtype=self.kv_dtype if k in self._past_set else None)
+                 for k, v in feeds.items()}
         try:
             return dict(zip(names, self.session.run(names, feeds)))
         except Exception as err:  # onnxruntime's Fail / InvalidArgument

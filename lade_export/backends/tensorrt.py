@@ -117,6 +117,7 @@ class TensorRTEngine:
 
     name = "tensorrt"
     kv_layout = "sequence-major"
+    kv_dtype = np.dtype(np.float32)  # host caches in float32 (runtime.Engine)
     step_room = None
     attention_skips = 0
 

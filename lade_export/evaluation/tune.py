@@ -63,7 +63,7 @@ def measure_step_costs(engine, sizes=(1, 2, 4, 8, 16, 32, 64), past: int = 256, 
         if past + size > engine.dims.max_context:
             break
         # The engine's own cache layout (for head-major-shared: a buffer the step writes into, past + step long).
-        feeds = example_feeds(engine.dims, step=size, past=past, kv_layout=engine.kv_layout)
+        feeds = example_feeds(engine.dims, step=size, past=past, kv_layout=engine.kv_layout, dtype=engine.kv_dtype)
         engine.run(feeds)
         times = []
         for _ in range(repeats):

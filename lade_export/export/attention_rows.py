@@ -119,3 +119,69 @@ def exact_attention(graph) -> int:
     graph.node.extend(nodes)
     return replaced
 
+
+
+#: ``AttentionRows`` over a float16 cache (the lade kernels' op of that name).
+HALF_CACHE_OP = "AttentionRowsHalfCache"
+
+
+def half_precision_cache(graph) -> int:
+    """Store the KV cache of a graph whose every attention is an in-place ``AttentionRows``
+    (:func:`exact_attention` with ``past_layout=1``) in float16: the ``past_key_values.*``
+    inputs and ``present.*`` outputs become float16 and each attention becomes
+    ``AttentionRowsHalfCache``, which widens the cached keys and values to float32 exactly.
+    This step's keys and values are rounded to float16 and back before its attention sees
+    them (a ``Cast`` pair on the tensor the ``present`` output is), so a token's key and
+    value have the same bits whether a row reads them from this step or from the cache:
+    lookahead output stays greedy output (Fu et al. 2023, arXiv 2402.02057), and a row's
+    bits stay independent of the step. Halves the cache's bytes, which a one-token step at
+    long contexts spends most of its attention time reading (``bench/results/step-costs.md``).
+
+    Returns:
+        the number of attentions changed (0: the graph is left as it was, for instance
+        attentions that read a transposed cache).
+    """
+    from onnx import TensorProto, helper
+
+    attentions = [n for n in graph.node if n.op_type == "AttentionRows"]
+    if not attentions or not all(any(a.name == "past_layout" and a.i == 1 for a in n.attribute) for n in attentions):
+        return 0
+    cache_inputs = {n.input[1] for n in attentions} | {n.input[3] for n in attentions}
+    graph_inputs = {i.name: i for i in graph.input}
+    if not cache_inputs <= set(graph_inputs):
+        return 0
+    if any(name in n.input for n in graph.node if n.op_type != "AttentionRows" for name in cache_inputs):
+        return 0  # another consumer of the cache would need float32
+    for name in cache_inputs:
+        graph_inputs[name].type.tensor_type.elem_type = TensorProto.FLOAT16
+    presents = [o for o in graph.output if o.name.startswith("present.")]
+    producer_at = {o: k for k, n in enumerate(graph.node) for o in n.output}
+    after = {}  # node index -> Cast nodes to insert after it
+    for out in presents:
+        name = out.name
+        at = producer_at[name]
+        producer = graph.node[at]
+        wide, rounded = f"{name}/float32", f"{name}/rounded"
+        producer.output[list(producer.output).index(name)] = wide
+        for j, n in enumerate(graph.node):
+            if j != at:
+                for k, i in enumerate(n.input):
+                    if i == name:
+                        n.input[k] = rounded
+        after.setdefault(at, []).extend([
+            helper.make_node("Cast", [wide], [name], name=f"{name}/to_float16", to=TensorProto.FLOAT16),
+            helper.make_node("Cast", [name], [rounded], name=f"{name}/to_float32", to=TensorProto.FLOAT),
+        ])
+        out.type.tensor_type.elem_type = TensorProto.FLOAT16
+    nodes = []
+    for k, n in enumerate(graph.node):
+        nodes.append(n)
+        nodes.extend(after.get(k, []))
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    changed = 0
+    for n in graph.node:
+        if n.op_type == "AttentionRows":
+            n.op_type = HALF_CACHE_OP
+            changed += 1
+    return changed

@@ -320,8 +320,9 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                                                 threads=threads, say=say)
         say("saving the tokenizer and checking it against transformers")
         tokenizer_section = save_tokenizer(loaded.tokenizer, tmp / "tokenizer")
+        kv_dtype = quantized["graph"].get("kv_cache_dtype") if quantized is not None else None
         inputs, outputs = step_io_specs(dims.num_layers, dims.kv_heads, dims.head_dim, dims.vocab,
-                                        kv_layout=step.kv_layout)
+                                        kv_layout=step.kv_layout, kv_dtype=kv_dtype)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         tok = loaded.tokenizer
         manifest = Manifest(
@@ -347,7 +348,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 mask="bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
                 attention=attention,
                 kv_cache=step.kv_layout,
-                kv_layout=KV_LAYOUT_TEXT[step.kv_layout],
+                kv_layout=KV_LAYOUT_TEXT[step.kv_layout].replace("float32", kv_dtype or "float32"),
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
             ),

@@ -73,7 +73,7 @@ import numpy as np
 
 from ..errors import ProfileError
 from ..kernels import COMPUTE, KERNELS
-from .attention_rows import exact_attention
+from .attention_rows import exact_attention, half_precision_cache
 from .sanitize import drop_unused_initializers
 from .quantized_ops import block_q_embedding, nbits_embedding, quantized_matmul
 from .weight_blocks import LANE_BLOCK
@@ -261,6 +261,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     if any(a.name == "past_layout" for n in graph.node if n.op_type == "AttentionRows" for a in n.attribute):
         # the runtime's fact (OrtEngine.attention_skips): attention costs the 16-key blocks a row sees
         model.metadata_props.append(onnx.StringStringEntryProto(key="attention_skips_masked", value="16"))
+    half_cache = half_precision_cache(graph) if attentions else 0
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
     if not any(o.domain == domain for o in model.opset_import):
@@ -271,7 +272,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
                     location=dst.name + ".data", size_threshold=1024)
     size = dst.stat().st_size + (dst.parent / (dst.name + ".data")).stat().st_size
     return {"matmuls": matmuls, "embedding": embedding, "bytes_before": int(bytes_before), "bytes_after": int(size),
-            **({"attention_rows": attentions} if attentions else {})}
+            **({"attention_rows": attentions} if attentions else {}),
+            **({"kv_cache_dtype": "float16"} if half_cache else {})}
 
 
 def quality_report(reference_engine, quantized_engine, sequences: list[tuple[list[int], int]]) -> dict:

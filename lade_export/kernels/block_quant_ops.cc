@@ -9,6 +9,8 @@
 //       rows of the same table: a tied token embedding read from the LM head's tensors.
 //   AttentionRows(Q, PK, K, PV, V, masked) -> float                       attributes scale, past_layout
 //       attention with every query row computed alone (int8-compute graphs; see below).
+//   AttentionRowsHalfCache(Q, PK, K, PV, V, masked) -> float            attributes scale, past_layout = 1
+//       the same over a float16 cache (PK, PV float16, read in place), widened exactly.
 //
 // Weights come in blocks of 32 along K with bits ∈ {4, 8} per weight: w = D·code + M (GGML's
 // Q4_1; Q8_0 as code = q + 128, M = −128·D).
@@ -911,6 +913,7 @@ struct AttnJob {
   float scale;
   float* out;
   bool in_place;  // past_layout 1: PK, PV sequence-major [B, P, KV, D]
+  const uint16_t *pk16, *pv16;  // AttentionRowsHalfCache: PK, PV float16 bits, sequence-major (pk, pv null)
   const uint8_t* seen;  // [B·S, nb_p + nb_s]: 1 where step row t sees some key of the 16-column block
   int64_t nb_p, nb_s;
   float* tiles;  // in_place: [B, KV, n_tiles, D, 16], the cache's keys of the blocks some row sees
@@ -963,6 +966,9 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp_avx512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 #endif
+
+// Element e of the cache's keys or values at flat index i (sequence-major), whatever the cache's type.
+inline float cache_at(const float* f, const uint16_t* h, int64_t i) { return h ? half_to_float(h[i]) : f[i]; }
 
 // Whether some of the n ≤ 16 mask bytes at m are 0 (a key the row sees).
 inline bool block_seen(const bool* m, int64_t n) {
@@ -1072,6 +1078,11 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
       for (int64_t j = at + i * kKeys, end = at + std::min(n, (i + 1) * kKeys); j < end; ++j) {
         if (masked[j]) continue;
         const float weight = scores[j] / sum;
+        if (!part && job.pv16) {  // the float16 cache, sequence-major
+          const uint16_t* value = job.pv16 + ((bi * p + j) * kv + h) * d;
+          for (int64_t e = 0; e < d; ++e) out[e] = std::fma(weight, half_to_float(value[e]), out[e]);
+          continue;
+        }
         const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
                                                    : job.pv + ((bi * kv + h) * p + j) * d)
                                    : job.v + ((bi * kv + h) * s + j - p) * d;
@@ -1108,9 +1119,17 @@ void run_attention(void* data, size_t task) {
 
 // t[k] = element k of keys c = 0…15 (lane c; the row of key c at keys + c·stride, zeros for c ≥ width):
 // a 16 × 16 transpose in registers, data movement only.
-LADE_ATTN512 inline void transpose16(const float* keys, int64_t stride, int64_t width, __m512* t) {
+LADE_ATTN512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+LADE_ATTN512 inline __m512 load16(const uint16_t* p) {  // 16 float16 → float (exact)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+LADE_ATTN512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+LADE_ATTN512 inline __m512 load16(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+template <typename T>
+LADE_ATTN512 inline void transpose16(const T* keys, int64_t stride, int64_t width, __m512* t) {
   __m512 r[16];
-  for (int64_t c = 0; c < kKeys; ++c) r[c] = c < width ? _mm512_loadu_ps(keys + c * stride) : _mm512_setzero_ps();
+  for (int64_t c = 0; c < kKeys; ++c) r[c] = c < width ? load16(keys + c * stride) : _mm512_setzero_ps();
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -1133,7 +1152,8 @@ LADE_ATTN512 inline void transpose16(const float* keys, int64_t stride, int64_t 
 
 // Asks for the n rows of `bytes` bytes at base, base + stride, … (floats) to be brought into the cache
 // ahead of use: data movement only (a prefetch neither faults nor changes any value).
-LADE_ATTN512 inline void prefetch_rows(const float* base, int64_t stride, int64_t n, int64_t bytes) {
+template <typename T>
+LADE_ATTN512 inline void prefetch_rows(const T* base, int64_t stride, int64_t n, int64_t bytes) {
   for (int64_t c = 0; c < n; ++c)
     for (int64_t at = 0; at < bytes; at += 64)
       _mm_prefetch(reinterpret_cast<const char*>(base + c * stride) + at, _MM_HINT_T0);
@@ -1142,8 +1162,8 @@ LADE_ATTN512 inline void prefetch_rows(const float* base, int64_t stride, int64_
 // Scores of N rows over one cache block read from the sequence-major cache itself (keys: the block's
 // first key, stride KV·D; D a multiple of 16), 16 elements at a time transposed in registers: the
 // FMAs of group_scores over a [D, 16] tile, in the same order, without the tile.
-template <int N>
-LADE_ATTN512 void group_scores_direct(const float* const* q, const float* keys, int64_t stride, int64_t width,
+template <int N, typename T>
+LADE_ATTN512 void group_scores_direct(const float* const* q, const T* keys, int64_t stride, int64_t width,
                                       int64_t d, float scale, float* const* dst) {
   const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
   __m512 acc[N];
@@ -1188,15 +1208,21 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
     const int64_t gi = blocks[at], part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
     const int64_t base = part ? p : 0, j0 = base + i * kKeys, end = base + std::min((part ? s : p), (i + 1) * kKeys);
     if (job.in_place && at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next cache block's values
-      const int64_t j1 = blocks[at + 1] * kKeys;
-      prefetch_rows(job.pv + ((bi * p + j1) * kv + h) * d, kv * d, std::min(kKeys, p - j1), 4 * d);
+      const int64_t j1 = blocks[at + 1] * kKeys, next = ((bi * p + j1) * kv + h) * d, n1 = std::min(kKeys, p - j1);
+      if (job.pv16) prefetch_rows(job.pv16 + next, kv * d, n1, 2 * d);
+      else prefetch_rows(job.pv + next, kv * d, n1, 4 * d);
     }
     for (int64_t j = j0; j < end; ++j) {
-      const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
-                                                 : job.pv + ((bi * kv + h) * p + j) * d)
-                                 : job.v + ((bi * kv + h) * s + j - p) * d;
       __m512 v[DV];
-      for (int x = 0; x < DV; ++x) v[x] = _mm512_maskz_loadu_ps(vmask[x], value + 16 * x);
+      if (!part && job.pv16) {  // the float16 cache, sequence-major
+        const uint16_t* value = job.pv16 + ((bi * p + j) * kv + h) * d;
+        for (int x = 0; x < DV; ++x) v[x] = load16(value + 16 * x, vmask[x]);
+      } else {
+        const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
+                                                   : job.pv + ((bi * kv + h) * p + j) * d)
+                                   : job.v + ((bi * kv + h) * s + j - p) * d;
+        for (int x = 0; x < DV; ++x) v[x] = _mm512_maskz_loadu_ps(vmask[x], value + 16 * x);
+      }
       for (int r = 0; r < N; ++r) {
         const __mmask16 sees = masked[r][j] ? 0 : 0xffff;
         const __m512 weight = _mm512_set1_ps(w[r][j]);
@@ -1307,17 +1333,18 @@ LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, st
   int64_t at = 0;
   if (job.direct)  // the cache's blocks straight from the sequence-major cache (no tiles were made)
     for (; at < nblocks && blocks[at] < job.nb_p; ++at) {
-      const int64_t j0 = blocks[at] * kKeys, width = std::min(kKeys, p - j0);
-      const float* keys = job.pk + ((bi * p + j0) * kv + h) * d;
+      const int64_t j0 = blocks[at] * kKeys, width = std::min(kKeys, p - j0), first = ((bi * p + j0) * kv + h) * d;
       if (at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next block's keys, while this one is computed
-        const int64_t j1 = blocks[at + 1] * kKeys;
-        prefetch_rows(job.pk + ((bi * p + j1) * kv + h) * d, kv * d, std::min(kKeys, p - j1), 4 * d);
+        const int64_t j1 = blocks[at + 1] * kKeys, next = ((bi * p + j1) * kv + h) * d, n1 = std::min(kKeys, p - j1);
+        if (job.pk16) prefetch_rows(job.pk16 + next, kv * d, n1, 2 * d);
+        else prefetch_rows(job.pk + next, kv * d, n1, 4 * d);
       }
       float* dst[kGroupRows];
       for (int r = 0; r < n; ++r) dst[r] = scores[r] + j0;
-#define LADE_DIRECT(M) \
-  case M:              \
-    group_scores_direct<M>(q, keys, kv * d, width, d, job.scale, dst); \
+#define LADE_DIRECT(M)                                                                       \
+  case M:                                                                                    \
+    if (job.pk16) group_scores_direct<M>(q, job.pk16 + first, kv * d, width, d, job.scale, dst); \
+    else group_scores_direct<M>(q, job.pk + first, kv * d, width, d, job.scale, dst);          \
     break;
       switch (n) { LADE_DIRECT(1) LADE_DIRECT(2) LADE_DIRECT(3) LADE_DIRECT(4) LADE_DIRECT(5) LADE_DIRECT(6)
                    LADE_DIRECT(7) LADE_DIRECT(8) }
@@ -1399,17 +1426,19 @@ void tiles_of(const AttnJob& job, int64_t task) {
     if (at < 0) continue;
     float* tile = tiles + at * d * kKeys;
     const int64_t j0 = i * kKeys, width = std::min(kKeys, job.p - j0);
-    const float* keys = job.pk + ((bi * job.p + j0) * kv + h) * d;  // key j0 + c, element e: keys[c·KV·D + e]
+    const int64_t at0 = ((bi * job.p + j0) * kv + h) * d;  // key j0 + c, element e: at0 + c·KV·D + e
+    const float* keys = job.pk16 ? nullptr : job.pk + at0;
 #ifdef LADE_X86
     if (WIDE && d % 16 == 0) {  // 16 keys × 16 elements at a time, transposed in registers
       for (int64_t e0 = 0; e0 < d; e0 += 16) {
         __m512 t[16];
-        transpose16(keys + e0, kv * d, width, t);
+        if (job.pk16) transpose16(job.pk16 + at0 + e0, kv * d, width, t);
+        else transpose16(keys + e0, kv * d, width, t);
         for (int k = 0; k < 16; ++k) _mm512_storeu_ps(tile + (e0 + k) * kKeys, t[k]);
       }
       continue;
     }
-    if (WIDE && kv * d * kKeys < (int64_t{1} << 31)) {
+    if (WIDE && !job.pk16 && kv * d * kKeys < (int64_t{1} << 31)) {
       const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
       const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(static_cast<int>(kv * d)));
@@ -1419,7 +1448,10 @@ void tiles_of(const AttnJob& job, int64_t task) {
     }
 #endif
     for (int64_t c = 0; c < kKeys; ++c)
-      for (int64_t e = 0; e < d; ++e) tile[e * kKeys + c] = c < width ? keys[c * kv * d + e] : 0.0f;
+      for (int64_t e = 0; e < d; ++e)
+        tile[e * kKeys + c] = c < width ? cache_at(job.pk + (job.pk16 ? 0 : at0), job.pk16 ? job.pk16 + at0 : nullptr,
+                                                   c * kv * d + e)
+                                        : 0.0f;
   }
 }
 
@@ -1432,6 +1464,7 @@ void run_tiles(void* data, size_t task) {
 struct AttentionKernel {
   float scale;
   int64_t past_layout;
+  bool half_cache = false;  // AttentionRowsHalfCache: PK, PV float16, read in place (past_layout 1)
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
     try {
       Ort::KernelContext ctx(raw);
@@ -1440,6 +1473,7 @@ struct AttentionKernel {
       const auto qs = shape_of(q), pks = shape_of(pk), ks = shape_of(k), pvs = shape_of(pv), vs = shape_of(v),
                  ms = shape_of(masked);
       const bool in_place = past_layout == 1;
+      if (half_cache && !in_place) throw Error("a float16 cache is read in place only (past_layout 1)");
       if (qs.size() != 4 || pks.size() != 4 || ks.size() != 4 || pvs.size() != 4 || vs.size() != 4 || ms.size() != 5)
         throw Error(in_place ? "inputs are not Q [B, KV, G·S, D], PK [B, P, KV, D], K [B, KV, D, S], PV [B, P, KV, D], "
                                "V [B, KV, S, D], masked [B, 1, 1, S, P+S]"
@@ -1477,10 +1511,12 @@ struct AttentionKernel {
           if (slot[bi * nb_p + i] == 0) slot[bi * nb_p + i] = count++;
         n_tiles = std::max<int64_t>(n_tiles, count);
       }
-      AttnJob job{q.GetTensorData<float>(), pk.GetTensorData<float>(), k.GetTensorData<float>(),
-                  pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
+      const uint16_t* pk16 = half_cache ? static_cast<const uint16_t*>(pk.GetTensorRawData()) : nullptr;
+      const uint16_t* pv16 = half_cache ? static_cast<const uint16_t*>(pv.GetTensorRawData()) : nullptr;
+      AttnJob job{q.GetTensorData<float>(), half_cache ? nullptr : pk.GetTensorData<float>(), k.GetTensorData<float>(),
+                  half_cache ? nullptr : pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
                   b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>(),
-                  in_place, seen.data(), nb_p, nb_s, nullptr, slot.data(), n_tiles,
+                  in_place, pk16, pv16, seen.data(), nb_p, nb_s, nullptr, slot.data(), n_tiles,
                   nullptr, nullptr, false};
 #ifdef LADE_X86
       if (dispatch().float_avx512 && d <= 128 && b * kv * rows) {  // rows that see the same blocks, in groups
@@ -1600,6 +1636,24 @@ struct AttentionOp : Op<AttentionOp, AttentionKernel> {
   }
 };
 
+// AttentionRows over a float16 cache (PK, PV float16 [B, P, KV, D], read in place; Q, K, V float32):
+// every cached key and value is widened to float exactly, then the same operations as AttentionRows.
+// The graph rounds this step's K and V to float16 and back before they reach it, so a token's key and
+// value have the same bits in the cache and in a step.
+struct AttentionHalfCacheOp : Op<AttentionHalfCacheOp, AttentionKernel> {
+  static constexpr const char* kName = "AttentionRowsHalfCache";
+  static constexpr size_t kInputs = 6;
+  static AttentionKernel* make(const OrtKernelInfo* info) {
+    return new AttentionKernel{Ort::ConstKernelInfo(info).GetAttribute<float>("scale"), attribute_past_layout(info),
+                               true};
+  }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL
+           : (i == 1 || i == 3) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
@@ -1611,10 +1665,11 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   static MatMulOp matmul;
   static GatherOp gather;
   static AttentionOp attention;
+  static AttentionHalfCacheOp attention_half_cache;
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* s = api->CreateCustomOpDomain("lade_export", &domain)) return s;
   for (OrtCustomOp* op : {static_cast<OrtCustomOp*>(&matmul), static_cast<OrtCustomOp*>(&gather),
-                          static_cast<OrtCustomOp*>(&attention)})
+                          static_cast<OrtCustomOp*>(&attention), static_cast<OrtCustomOp*>(&attention_half_cache)})
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, op)) return s;
   return api->AddCustomOpDomain(options, domain);
 }
