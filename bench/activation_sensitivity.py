@@ -6,7 +6,7 @@ float32-compute artifact of the same weights (``--compute float32``: the float32
 tokens, 100% agreement in its manifest). The float32-compute engine answers the first
 --prompts MT-Bench questions greedily (--answer-tokens each); both engines are then
 teacher-forced on those answers and their argmaxes compared at every answer position, as
-the build's quality report does (:func:`lade_export.export.quantize.quality_report`),
+the build's quality report does (:func:`lade_export.export.quantize.teacher_forced_logits`),
 over more positions.
 
 Each variant turns the int8 activations off (float32 compute, the ``MatMulBlockQ``
@@ -32,18 +32,6 @@ from pathlib import Path
 import numpy as np
 
 
-def teacher_forced_logits(engine, sequences) -> list:
-    """Per ``(ids, start)``: float32 [len(ids) − start, vocab] logits at the answer positions."""
-    from lade_export.feeds import causal_feeds, empty_past_feeds, run_sequence_major
-
-    out = []
-    for ids, start in sequences:
-        rows = np.arange(start - 1, len(ids) - 1)
-        feeds = {**causal_feeds(ids, 0, logit_rows=rows), **empty_past_feeds(engine.dims)}
-        out.append(run_sequence_major(engine, feeds, with_logits=True)["logits"][0])
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("integer_artifact", type=Path)
@@ -59,6 +47,7 @@ def main(argv=None) -> int:
     from lade_export.artifact import Artifact
     from lade_export.backends.onnxruntime import OrtEngine
     from lade_export.evaluation.datasets import load_prompts
+    from lade_export.export.quantize import teacher_forced_logits
     from lade_export.profile import GREEDY
     from lade_export.runtime import Decoder
 

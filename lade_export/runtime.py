@@ -74,7 +74,7 @@ class Engine(Protocol):
     name: str
     dims: ModelDims
     kv_layout: str
-    kv_dtype: object
+    kv_dtype: object  # a numpy dtype
     step_room: int | None
     attention_skips: int
 

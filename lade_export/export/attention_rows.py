@@ -155,7 +155,13 @@ def half_precision_cache(graph) -> int:
     for name in cache_inputs:
         graph_inputs[name].type.tensor_type.elem_type = TensorProto.FLOAT16
     presents = [o for o in graph.output if o.name.startswith("present.")]
-    producer_at = {o: k for k, n in enumerate(graph.node) for o in n.output}
+    names = {o.name for o in presents}
+    producer_at = {o: k for k, n in enumerate(graph.node) for o in n.output if o in names}
+    readers = {}  # present name -> (node, input index) of every node that reads it
+    for n in graph.node:
+        for k, i in enumerate(n.input):
+            if i in names:
+                readers.setdefault(i, []).append((n, k))
     after = {}  # node index -> Cast nodes to insert after it
     for out in presents:
         name = out.name
@@ -163,25 +169,19 @@ def half_precision_cache(graph) -> int:
         producer = graph.node[at]
         wide, rounded = f"{name}/float32", f"{name}/rounded"
         producer.output[list(producer.output).index(name)] = wide
-        for j, n in enumerate(graph.node):
-            if j != at:
-                for k, i in enumerate(n.input):
-                    if i == name:
-                        n.input[k] = rounded
+        for n, k in readers.get(name, []):
+            n.input[k] = rounded
         after.setdefault(at, []).extend([
             helper.make_node("Cast", [wide], [name], name=f"{name}/to_float16", to=TensorProto.FLOAT16),
             helper.make_node("Cast", [name], [rounded], name=f"{name}/to_float32", to=TensorProto.FLOAT),
         ])
         out.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for n in attentions:
+        n.op_type = HALF_CACHE_OP
     nodes = []
     for k, n in enumerate(graph.node):
         nodes.append(n)
         nodes.extend(after.get(k, []))
     graph.ClearField("node")
     graph.node.extend(nodes)
-    changed = 0
-    for n in graph.node:
-        if n.op_type == "AttentionRows":
-            n.op_type = HALF_CACHE_OP
-            changed += 1
-    return changed
+    return len(attentions)

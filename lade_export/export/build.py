@@ -162,11 +162,12 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
     return {"spec": spec.as_dict(), "graph": info, "quality": quality, **({"kernels": kernels} if kernels else {})}
 
 
-#: ``graph.kv_layout`` of the manifest: the cache layout in words.
+#: ``graph.kv_layout`` of the manifest: the cache layout in words, ``{dtype}`` the cache's
+#: (float32, or float16 where the graph keeps a half-precision cache).
 KV_LAYOUT_TEXT = {
-    "sequence-major": "[batch, seq, kv_heads, head_dim] (sequence-major), float32, RoPE applied to keys; "
+    "sequence-major": "[batch, seq, kv_heads, head_dim] (sequence-major), {dtype}, RoPE applied to keys; "
                       "present.* = this step only",
-    "head-major-shared": "[batch, kv_heads, capacity, head_dim] (head-major), float32, RoPE applied to keys, filled "
+    "head-major-shared": "[batch, kv_heads, capacity, head_dim] (head-major), {dtype}, RoPE applied to keys, filled "
                          "up to past = mask columns - step; present.* = the same buffer with this step written at "
                          "[past, past+step): bind each present output to its past input's memory",
 }
@@ -348,7 +349,7 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                 mask="bool [batch, 1, step, past+step]; True = may attend; columns = [cache | this step]",
                 attention=attention,
                 kv_cache=step.kv_layout,
-                kv_layout=KV_LAYOUT_TEXT[step.kv_layout].replace("float32", kv_dtype or "float32"),
+                kv_layout=KV_LAYOUT_TEXT[step.kv_layout].format(dtype=kv_dtype or "float32"),
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
             ),

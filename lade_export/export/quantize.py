@@ -261,7 +261,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     if any(a.name == "past_layout" for n in graph.node if n.op_type == "AttentionRows" for a in n.attribute):
         # the runtime's fact (OrtEngine.attention_skips): attention costs the 16-key blocks a row sees
         model.metadata_props.append(onnx.StringStringEntryProto(key="attention_skips_masked", value="16"))
-    half_cache = half_precision_cache(graph) if attentions else 0
+    half_cache = half_precision_cache(graph)  # 0 without in-place AttentionRows
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
     if not any(o.domain == domain for o in model.opset_import):
@@ -276,6 +276,26 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
             **({"kv_cache_dtype": "float16"} if half_cache else {})}
 
 
+def teacher_forced_logits(engine, sequences: list[tuple[list[int], int]]) -> list[np.ndarray]:
+    """The engine's logits at every answer position, the whole sequence fed as one prompt.
+
+    Args:
+        engine: an engine (:class:`lade_export.runtime.Engine`).
+        sequences: ``(token ids, answer start)`` pairs: a prompt followed by an answer.
+
+    Returns:
+        per sequence, float32 [len(ids) − start, vocab]: row i predicts ``ids[start + i]``.
+    """
+    from ..feeds import causal_feeds, empty_past_feeds, run_sequence_major
+
+    out = []
+    for ids, start in sequences:
+        rows = np.arange(start - 1, len(ids) - 1)
+        feeds = {**causal_feeds(ids, 0, logit_rows=rows), **empty_past_feeds(engine.dims)}
+        out.append(run_sequence_major(engine, feeds, with_logits=True)["logits"][0])
+    return out
+
+
 def quality_report(reference_engine, quantized_engine, sequences: list[tuple[list[int], int]]) -> dict:
     """How far the quantized engine is from the float32 one, teacher-forced on real text.
 
@@ -288,17 +308,12 @@ def quality_report(reference_engine, quantized_engine, sequences: list[tuple[lis
         ``{"positions", "top1_agreement" (fraction of positions whose argmax agrees),
         "max_abs_logit_diff", "sequences"}``.
     """
-    from ..feeds import causal_feeds, empty_past_feeds, run_sequence_major
-
     agree = total = 0
     worst = 0.0
-    for ids, start in sequences:
-        rows = np.arange(start - 1, len(ids) - 1)
-        feeds = {**causal_feeds(ids, 0, logit_rows=rows), **empty_past_feeds(reference_engine.dims)}
-        ref = run_sequence_major(reference_engine, feeds, with_logits=True)["logits"][0]
-        got = run_sequence_major(quantized_engine, feeds, with_logits=True)["logits"][0]
+    for ref, got in zip(teacher_forced_logits(reference_engine, sequences),
+                        teacher_forced_logits(quantized_engine, sequences)):
         agree += int(np.sum(ref.argmax(-1) == got.argmax(-1)))
-        total += len(rows)
+        total += len(ref)
         worst = max(worst, float(np.max(np.abs(ref - got))))
     return {"sequences": len(sequences), "positions": total, "top1_agreement": agree / max(total, 1),
             "max_abs_logit_diff": worst}

@@ -1428,17 +1428,18 @@ void tiles_of(const AttnJob& job, int64_t task) {
     const int64_t j0 = i * kKeys, width = std::min(kKeys, job.p - j0);
     const int64_t at0 = ((bi * job.p + j0) * kv + h) * d;  // key j0 + c, element e: at0 + c·KV·D + e
     const float* keys = job.pk16 ? nullptr : job.pk + at0;
+    const uint16_t* keys16 = job.pk16 ? job.pk16 + at0 : nullptr;
 #ifdef LADE_X86
     if (WIDE && d % 16 == 0) {  // 16 keys × 16 elements at a time, transposed in registers
       for (int64_t e0 = 0; e0 < d; e0 += 16) {
         __m512 t[16];
-        if (job.pk16) transpose16(job.pk16 + at0 + e0, kv * d, width, t);
+        if (keys16) transpose16(keys16 + e0, kv * d, width, t);
         else transpose16(keys + e0, kv * d, width, t);
         for (int k = 0; k < 16; ++k) _mm512_storeu_ps(tile + (e0 + k) * kKeys, t[k]);
       }
       continue;
     }
-    if (WIDE && !job.pk16 && kv * d * kKeys < (int64_t{1} << 31)) {
+    if (WIDE && keys && kv * d * kKeys < (int64_t{1} << 31)) {
       const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
       const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(static_cast<int>(kv * d)));
@@ -1448,10 +1449,7 @@ void tiles_of(const AttnJob& job, int64_t task) {
     }
 #endif
     for (int64_t c = 0; c < kKeys; ++c)
-      for (int64_t e = 0; e < d; ++e)
-        tile[e * kKeys + c] = c < width ? cache_at(job.pk + (job.pk16 ? 0 : at0), job.pk16 ? job.pk16 + at0 : nullptr,
-                                                   c * kv * d + e)
-                                        : 0.0f;
+      for (int64_t e = 0; e < d; ++e) tile[e * kKeys + c] = c < width ? cache_at(keys, keys16, c * kv * d + e) : 0.0f;
   }
 }
 
