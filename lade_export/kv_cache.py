@@ -55,6 +55,18 @@ def owner_of(feed) -> KVCache | None:
     return cache if cache is not None and cache.keys[0] is base else None
 
 
+def _runs(rows) -> list[tuple[int, int, int]]:
+    """Increasing step rows as runs of consecutive rows: (offset among the kept rows, first step
+    row, length) — [0, 1, 2, 5, 6] gives [(0, 0, 3), (3, 5, 2)]."""
+    runs = []
+    for at, row in enumerate(int(r) for r in rows):
+        if runs and runs[-1][1] + runs[-1][2] == row:
+            runs[-1][2] += 1
+        else:
+            runs.append([at, row, 1])
+    return [tuple(r) for r in runs]
+
+
 class KVCache:
     """Preallocated keys/values of one sequence, filled up to ``length`` (see the module
     docstring for the two layouts).
@@ -98,6 +110,9 @@ class KVCache:
         self.keys = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
         self.values = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
         self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
+        # (past key name, past value name, present key name, present value name) per layer
+        self._names = [(past_key_name(i), past_value_name(i), present_key_name(i), present_value_name(i))
+                       for i in range(dims.num_layers)]
         _OWNERS[id(self.keys[0])] = self
 
     @property
@@ -148,13 +163,15 @@ class KVCache:
         shared = self.layout == "head-major-shared"
         if shared and self._shared_feeds is not None:
             return self._shared_feeds  # the same buffers every step
-        out = {}
-        n = self.length
-        for i in range(self.dims.num_layers):
-            out[past_key_name(i)] = self.keys[i] if shared else self.keys[i][:, :n]
-            out[past_value_name(i)] = self.values[i] if shared else self.values[i][:, :n]
         if shared:
-            self._shared_feeds = out
+            self._shared_feeds = {name: buffer for (k, v, _, _), key, value in zip(self._names, self.keys, self.values)
+                                  for name, buffer in ((k, key), (v, value))}
+            return self._shared_feeds
+        n = self.length
+        out = {}
+        for (k, v, _, _), key, value in zip(self._names, self.keys, self.values):
+            out[k] = key[:, :n]
+            out[v] = value[:, :n]
         return out
 
     def append(self, outputs: dict, rows: np.ndarray | None = None, step: int | None = None) -> None:
@@ -185,11 +202,16 @@ class KVCache:
                     buffer[:, :, start:end] = buffer[:, :, source]  # rows[j] ≥ j: reads before writes
             self._length = end
             return
-        for i in range(self.dims.num_layers):
-            k = outputs[present_key_name(i)]
-            v = outputs[present_value_name(i)]
-            if rows is not None:
-                k, v = k[:, rows], v[:, rows]
-            self.keys[i][:, start:end] = k
-            self.values[i][:, start:end] = v
+        # the kept rows as runs of consecutive step rows (one run: the accepted prefix of a chain, a greedy
+        # step), each copied as a slice: no gathered temporaries
+        runs = [] if rows is None else _runs(rows)
+        for (_, _, kname, vname), keys, values in zip(self._names, self.keys, self.values):
+            k, v = outputs[kname], outputs[vname]
+            if rows is None:
+                keys[:, start:end] = k
+                values[:, start:end] = v
+                continue
+            for at, first, n in runs:
+                keys[:, start + at:start + at + n] = k[:, first:first + n]
+                values[:, start + at:start + at + n] = v[:, first:first + n]
         self._length = end

@@ -1,0 +1,49 @@
+"""The host KV cache's append: the kept rows of a step land at the end of the filled prefix,
+whatever runs they form (one run is copied as a slice, scattered rows run by run)."""
+
+import numpy as np
+import pytest
+
+from lade_export.kv_cache import KVCache, _runs
+from lade_export.specs import ModelDims, present_key_name, present_value_name
+
+DIMS = ModelDims(num_layers=3, heads=4, kv_heads=2, head_dim=4, hidden=16, vocab=32, max_context=64,
+                 tied_embeddings=False)
+
+
+def step_outputs(rng, step, dtype):
+    """present.* of a step of ``step`` tokens: [1, step, kv_heads, head_dim] per layer, distinct values."""
+    shape = (1, step, DIMS.kv_heads, DIMS.head_dim)
+    out = {}
+    for i in range(DIMS.num_layers):
+        out[present_key_name(i)] = rng.standard_normal(shape).astype(dtype)
+        out[present_value_name(i)] = rng.standard_normal(shape).astype(dtype)
+    return out
+
+
+def test_runs_split_increasing_rows_into_consecutive_stretches():
+    assert _runs([0, 1, 2, 5, 6]) == [(0, 0, 3), (3, 5, 2)]
+    assert _runs(np.array([3])) == [(0, 3, 1)]
+    assert _runs([0, 3, 5]) == [(0, 0, 1), (1, 3, 1), (2, 5, 1)]
+    assert _runs([]) == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("rows", [None, [0], [0, 1, 2], [2, 3, 4, 5], [0, 3, 5], [0, 1, 4, 6, 7]])
+def test_append_keeps_exactly_the_chosen_rows_in_order(rows, dtype):
+    rng = np.random.default_rng(0)
+    cache = KVCache(DIMS, capacity=32, dtype=dtype)
+    first = step_outputs(rng, 5, dtype)
+    cache.append(first)  # a prefill of 5 tokens: every row
+    step = step_outputs(rng, 8, dtype)
+    cache.append(step, None if rows is None else np.asarray(rows))
+    kept = list(range(8)) if rows is None else rows
+    assert cache.length == 5 + len(kept)
+    for i in range(DIMS.num_layers):
+        for buffers, name in ((cache.keys, present_key_name(i)), (cache.values, present_value_name(i))):
+            np.testing.assert_array_equal(buffers[i][:, :5], first[name])
+            np.testing.assert_array_equal(buffers[i][:, 5:cache.length], step[name][:, kept])
+            assert not buffers[i][:, cache.length:].any()  # nothing written past the kept rows
+    feeds = cache.feeds()
+    assert feeds["past_key_values.0.key"].shape == (1, cache.length, DIMS.kv_heads, DIMS.head_dim)
+    assert feeds["past_key_values.2.value"].base is cache.values[2]  # a view of the buffer, not a copy
