@@ -202,16 +202,26 @@ class KVCache:
                     buffer[:, :, start:end] = buffer[:, :, source]  # rows[j] ≥ j: reads before writes
             self._length = end
             return
-        # the kept rows as runs of consecutive step rows (one run: the accepted prefix of a chain, a greedy
-        # step), each copied as a slice: no gathered temporaries
-        runs = [] if rows is None else _runs(rows)
+        # the kept rows as runs of consecutive step rows, each copied as a slice (a greedy step or the
+        # accepted prefix of a chain: one run), or by its index for a single row: no gathered temporaries
+        runs = None if rows is None else _runs(rows)
         for (_, _, kname, vname), keys, values in zip(self._names, self.keys, self.values):
             k, v = outputs[kname], outputs[vname]
-            if rows is None:
+            if runs is None:
                 keys[:, start:end] = k
                 values[:, start:end] = v
                 continue
+            if len(runs) == 1:
+                first = runs[0][1]
+                keys[:, start:end] = k[:, first:first + count]
+                values[:, start:end] = v[:, first:first + count]
+                continue
+            k, v, keys, values = k[0], v[0], keys[0], values[0]
             for at, first, n in runs:
-                keys[:, start + at:start + at + n] = k[:, first:first + n]
-                values[:, start + at:start + at + n] = v[:, first:first + n]
+                if n == 1:
+                    keys[start + at] = k[first]
+                    values[start + at] = v[first]
+                else:
+                    keys[start + at:start + at + n] = k[first:first + n]
+                    values[start + at:start + at + n] = v[first:first + n]
         self._length = end

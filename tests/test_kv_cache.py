@@ -21,7 +21,7 @@ def step_outputs(rng, step, dtype):
     return out
 
 
-def test_runs_split_increasing_rows_into_consecutive_stretches():
+def test_row_runs_split_increasing_rows_into_consecutive_stretches():
     assert _runs([0, 1, 2, 5, 6]) == [(0, 0, 3), (3, 5, 2)]
     assert _runs(np.array([3])) == [(0, 3, 1)]
     assert _runs([0, 3, 5]) == [(0, 0, 1), (1, 3, 1), (2, 5, 1)]
