@@ -67,12 +67,15 @@ BAD_BUILD_OPTIONS = [
      "--max-prompt bounds the TensorRT engines; this build is for ONNX Runtime only: add --engine tensorrt or drop it"),
     (["--precision", "int4", "--block-size", "0"], dict(precision="int4", block_size=0),
      "--block-size must be a power of two ≥ 16, got 0"),
+    (["--precision", "int4", "--compute", "float32"], dict(precision="int4", compute="float32"),  # float32 given
+     "--compute picks the arithmetic of --kernels lade; ONNX Runtime's MatMulNBits takes --accuracy-level instead: "
+     "drop --compute float32 or add --kernels lade"),
 ]
 
 
 @pytest.mark.parametrize("flags, options, message", BAD_BUILD_OPTIONS,
                          ids=["tensorrt-lade", "int8-lookahead", "lade-block-size", "gqa-head-width",
-                                                               "tensorrt-bound-on-onnx", "block-size-zero"])
+                              "tensorrt-bound-on-onnx", "block-size-zero", "compute-without-lade"])
 def test_the_build_refuses_bad_options_with_the_message_the_cli_prints(tmp_path, stories_dir, flags, options,
                                                                         message):
     """The API (``build_artifact``) checks the options the CLI checks: the same one line, as

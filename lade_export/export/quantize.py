@@ -159,8 +159,11 @@ class QuantSpec:
                                    f"lade takes --compute int8|float32 instead: drop --accuracy-level {accuracy_level}")
             return cls(bits, LANE_BLOCK if block_size is None else block_size, 0, 8 if head_bits is None else head_bits,
                        kernels, compute or "int8")
+        if compute is not None:  # given at all (float32 too): only the lade kernels take it
+            raise ProfileError(f"--compute picks the arithmetic of --kernels lade; ONNX Runtime's MatMulNBits takes "
+                               f"--accuracy-level instead: drop --compute {compute} or add --kernels lade")
         level = accuracy_level if accuracy_level is not None else (1 if bits == 4 else 4)
-        return cls(bits, 32 if block_size is None else block_size, level, head_bits or 0, kernels, compute or "float32")
+        return cls(bits, 32 if block_size is None else block_size, level, head_bits or 0, kernels)
 
     def as_dict(self) -> dict:
         if self.kernels == "lade":
