@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import lade_export
 from lade_export.cli import main
 from lade_export.errors import ArtifactError, ProfileError
-from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, library_paths
+from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, library_paths, running_path
 from lade_export.profile import resolve_profile
 from lade_export.export.quantize import QuantSpec
 from lade_export.export.weight_blocks import dequantize_block_lanes, pack_block_lanes
@@ -275,9 +275,12 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     assert sum(n.op_type == "MatMul" and n.input[1] in weights for n in graph.graph.node) == 5
     shown = " ".join(CliRunner().invoke(main, ["inspect", str(stories_lade)]).output.split())
     agreement = m["quantization"]["quality"]["top1_agreement"]
+    here = running_path(stories_lade / LIBRARY, "int8")  # the path this process takes
     assert ("weights: int4 layers, 8-bit head and embedding, lade kernels (kernels/liblade_kernels.so; int8 compute, "
-            "paths amx, avx512vnni, avxvnni, avx2, portable); lookahead exact: True; top-1 agreement with float32 "
+            f"paths amx, avx512vnni, avxvnni, avx2, portable; this CPU takes {here}, the build measured on "
+            f"{kernels['path_at_build']}); lookahead exact: True; top-1 agreement with float32 "
             f"{100 * agreement:.1f}%") in shown
+    assert f"attention: onnx-ops, each as the lade kernels' AttentionRows ({dims.num_layers});" in shown
     result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--max-new-tokens", "4"])
     assert result.exit_code == 0
     assert f"[kernels] lade, int8 compute, path: {kernels['path_at_build']}\n" in result.stderr

@@ -159,6 +159,21 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
             sys.exit(1)
 
 
+def _path_here(library, compute: str) -> str | None:
+    """What ``inspect`` says of the path the kernel library takes in this process: "this CPU
+    takes <path>", the reason ``$LADE_KERNELS_PATH`` cannot be honoured, or None when the
+    library is missing or cannot be loaded (the file check below reports it)."""
+    from ..kernels import running_path
+
+    if library is None or not Path(library).is_file():
+        return None
+    try:
+        chosen = running_path(library, compute)
+    except OSError:  # not a loadable library (truncated, another platform's)
+        return None
+    return chosen[len("error: "):] if chosen.startswith("error: ") else f"this CPU takes {chosen}"
+
+
 @main.command()
 @_artifact_dir
 @click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
@@ -209,15 +224,22 @@ def inspect(artifact_dir, as_json):
                    escape("[" + ", ".join(map(str, first.shape)) + "]"), first.dtype)
     console.print(io)
     console.print(escape(f"mask: {m.graph.mask or '?'}"))
-    console.print(escape(f"attention: {artifact.attention}; KV cache: {m.graph.kv_layout or artifact.kv_layout}"))
     q = m.quantization
+    rows = q.graph.attention_rows if q is not None else None
+    # an int8-compute lade build's attentions are the kernels' (the graph's record names the exported form)
+    attention = f"{artifact.attention}, each as the lade kernels' AttentionRows ({rows})" if rows else artifact.attention
+    console.print(escape(f"attention: {attention}; KV cache: {m.graph.kv_layout or artifact.kv_layout}"))
     if q is not None:
         spec, quality, library = q.spec, q.quality, q.kernels
         where = f" ({m.graph.custom_ops})" if m.graph.custom_ops else ""
-        if spec.kernels == "lade":  # compute type, and the paths the library holds (older builds: unlisted)
+        if spec.kernels == "lade":  # compute type, the paths the library holds (older builds: unlisted), this CPU's
             paths = ((library.paths if library is not None else None) or {}).get(spec.compute)
+            here = _path_here(artifact.custom_ops_path, spec.compute)
+            built = library.path_at_build if library is not None else None
             where = (f" ({m.graph.custom_ops}; {spec.compute} compute"
-                     + (f", paths {', '.join(paths)}" if paths else "") + ")")
+                     + (f", paths {', '.join(paths)}" if paths else "")
+                     + (f"; {here}" if here else "")
+                     + (f", the build measured on {built}" if built else "") + ")")
         agreement = quality.top1_agreement
         head = f"{spec.head_bits}-bit" if spec.head_bits else "float32"
         console.print(escape(f"weights: {m.graph.precision} layers, {head} head and embedding, "
