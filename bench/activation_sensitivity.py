@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         ids = tokenizer.encode_prompt(prompt.text, chat=True)
         answer = Decoder(reference, [], dims.max_context).generate(ids, args.answer_tokens, GREEDY)
         sequences.append((list(ids) + answer.token_ids, len(ids)))
-    expected = teacher_forced_logits(reference, sequences)
+    expected = list(teacher_forced_logits(reference, sequences))  # compared with every variant
     reference.close()
     top2 = [np.sort(x, axis=-1)[:, -2:] for x in expected]
     gaps = np.concatenate([t[:, 1] - t[:, 0] for t in top2])
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             onnx.save_model(graph, str(folder / "model.onnx"))
             engine = OrtEngine(folder / "model.onnx", dims, threads=args.threads,
                                custom_ops=integer_art.custom_ops_path)
-            got = teacher_forced_logits(engine, sequences)
+            got = list(teacher_forced_logits(engine, sequences))  # before the engine closes
             engine.close()
             agree, flipped = 0, []
             for want, have, t in zip(expected, got, top2):

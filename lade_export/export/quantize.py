@@ -67,6 +67,7 @@ by :func:`quality_report` and recorded in the manifest.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -279,24 +280,24 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
             **({"kv_cache_dtype": "float16"} if half_cache else {})}
 
 
-def teacher_forced_logits(engine, sequences: list[tuple[list[int], int]]) -> list[np.ndarray]:
-    """The engine's logits at every answer position, the whole sequence fed as one prompt.
+def teacher_forced_logits(engine, sequences: list[tuple[list[int], int]]) -> Iterator[np.ndarray]:
+    """The engine's logits at every answer position, the whole sequence fed as one prompt,
+    one sequence at a time (a caller comparing two engines holds two sequences' logits, not
+    every answer's: SmolLM2's are 0.2 MB a position).
 
     Args:
-        engine: an engine (:class:`lade_export.runtime.Engine`).
+        engine: an engine (:class:`lade_export.runtime.Engine`), open while the iterator runs.
         sequences: ``(token ids, answer start)`` pairs: a prompt followed by an answer.
 
-    Returns:
+    Yields:
         per sequence, float32 [len(ids) − start, vocab]: row i predicts ``ids[start + i]``.
     """
     from ..feeds import causal_feeds, empty_past_feeds, run_sequence_major
 
-    out = []
     for ids, start in sequences:
         rows = np.arange(start - 1, len(ids) - 1)
         feeds = {**causal_feeds(ids, 0, logit_rows=rows), **empty_past_feeds(engine.dims)}
-        out.append(run_sequence_major(engine, feeds, with_logits=True)["logits"][0])
-    return out
+        yield run_sequence_major(engine, feeds, with_logits=True)["logits"][0]
 
 
 def quality_report(reference_engine, quantized_engine, sequences: list[tuple[list[int], int]]) -> dict:
