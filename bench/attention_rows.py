@@ -53,22 +53,17 @@ def attention_model(batch: int, kv_heads: int, groups: int, step: int, past: int
 
 
 def feeds_for(rng, kv_heads: int, groups: int, step: int, past: int, head_dim: int, packed: bool) -> dict:
-    """Random inputs; the mask (True = masked) as described in the module docstring."""
-    mask = np.zeros((1, 1, 1, step, past + step), bool)
-    for t in range(step):
-        mask[..., t, past + t + 1:] = True  # a chain: row t sees the step's rows up to itself
-    if packed:
-        mask[:] = True
-        share = past // step
-        for t in range(step):
-            mask[..., t, t * share:(t + 1) * share] = False
-            mask[..., t, past + t] = False
+    """Random inputs; the mask as described in the module docstring: ``bench/packed_attention.py``'s
+    "all" (a chain over the whole cache) or "own" (packed) variant, negated (True = masked)."""
+    from packed_attention import masks
+
+    seen = masks(step, past)["own" if packed else "all"]  # bool [1, 1, step, past + step], True = may attend
     return {"q": rng.standard_normal((1, kv_heads, groups * step, head_dim)).astype(np.float32),
             "pk": rng.standard_normal((1, past, kv_heads, head_dim)).astype(np.float16),
             "k": rng.standard_normal((1, kv_heads, head_dim, step)).astype(np.float32),
             "pv": rng.standard_normal((1, past, kv_heads, head_dim)).astype(np.float16),
             "v": rng.standard_normal((1, kv_heads, step, head_dim)).astype(np.float32),
-            "mask": mask}
+            "mask": ~seen[:, :, None]}
 
 
 def main() -> None:
