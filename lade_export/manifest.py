@@ -562,6 +562,11 @@ class QuantizedGraph(_Section):
             compute), None otherwise.
         kv_cache_dtype: ``float16`` where the graph keeps its KV cache in float16
             (:func:`lade_export.export.attention_rows.half_precision_cache`), None for float32.
+        rotary_attention_rows: layers whose attention, from the fused query/key/value projection
+            to the output projection's input, is one ``RotaryAttentionRows`` of the lade kernels
+            (:func:`lade_export.export.attention_rows.fuse_rotary_attention`; int8-compute builds
+            made since the operator exists), None where the graph has none (earlier builds: an
+            ``AttentionRowsHalfCache`` per layer among the graph's own nodes).
         extra: keys this version does not know, kept.
     """
 
@@ -572,6 +577,7 @@ class QuantizedGraph(_Section):
     bytes_after: int | None = None
     attention_rows: int | None = None
     kv_cache_dtype: str | None = None
+    rotary_attention_rows: int | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
 

@@ -254,10 +254,13 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     assert ops.count("MatMulBlockQ") == 16 and ops.count("GatherBlockQ") == 1
     computes = [a.i for n in graph.graph.node if n.op_type == "MatMulBlockQ" for a in n.attribute if a.name == "compute"]
     assert computes == [1] * 16
-    # each layer's attention is one AttentionRows over a float16 cache: no Softmax, and the only float MatMuls left
-    # are the down projections
-    assert ops.count("AttentionRowsHalfCache") == 5 and "Softmax" not in ops
+    # each layer's attention is one RotaryAttentionRows over a float16 cache (the rotary embedding and the head
+    # layout inside it): no Softmax, no Slice, Transpose or Cast left, and the only float MatMuls are the down
+    # projections
+    assert ops.count("RotaryAttentionRows") == 5 and "AttentionRowsHalfCache" not in ops and "Softmax" not in ops
+    assert not {"Slice", "Transpose", "Neg", "Reshape"} & set(ops) and ops.count("Cast") <= 1  # positions to float
     assert m["quantization"]["graph"]["kv_cache_dtype"] == "float16"
+    assert m["quantization"]["graph"]["rotary_attention_rows"] == 5
     assert "(sequence-major), float16, RoPE applied to keys" in m["graph"]["kv_layout"]
     cache_specs = [t for t in m["graph"]["inputs"] + m["graph"]["outputs"]
                    if t["name"].startswith(("past_key_values.", "present."))]
@@ -280,11 +283,76 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
             f"paths amx, avx512vnni, avxvnni, avx2, portable; this CPU takes {here}, the build measured on "
             f"{kernels['path_at_build']}); lookahead exact: True; top-1 agreement with float32 "
             f"{100 * agreement:.1f}%") in shown
-    assert f"attention: onnx-ops, each as the lade kernels' AttentionRows ({dims.num_layers});" in shown
+    assert (f"attention: onnx-ops, each as the lade kernels' AttentionRows ({dims.num_layers}), {dims.num_layers} of "
+            "them with their rotary embedding and head layout fused (RotaryAttentionRows);") in shown
     result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--max-new-tokens", "4"])
     assert result.exit_code == 0
     assert f"[kernels] lade, int8 compute, path: {kernels['path_at_build']}\n" in result.stderr
 
+
+
+@pytest.fixture(scope="module")
+def stories_lade_unfused(tmp_path_factory, stories_dir, stories_loaded):
+    """stories260K's int8 build without RotaryAttentionRows: each layer's attention as the graph's
+    own nodes around AttentionRowsHalfCache (what builds made before the fused operator hold)."""
+    from unittest import mock
+
+    from lade_export.export.build import build_artifact
+
+    out = tmp_path_factory.mktemp("lade-unfused") / "art"
+    with mock.patch("lade_export.export.quantize.fuse_rotary_attention", return_value=0):
+        build_artifact(str(stories_dir), [resolve_profile("default-int4")], out, loaded=stories_loaded,
+                       quantization=QuantSpec.for_precision("int4", kernels="lade"))
+    return out
+
+
+def _all_outputs(artifact, feeds_list):
+    """Every output of the artifact's graph (logits, ids, present keys/values) for each feeds, raw bytes."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(artifact / LIBRARY))
+    session = ort.InferenceSession(str(artifact / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    names = sorted(o.name for o in session.get_outputs())
+    return [{n: (v.shape, v.dtype, v.tobytes()) for n, v in zip(names, session.run(names, feeds))} for feeds in feeds_list]
+
+
+def test_rotary_attention_rows_computes_the_bits_of_the_nodes_it_replaces(stories_lade, stories_lade_unfused):
+    """The fused graph (one RotaryAttentionRows per layer) against the same build without the fusion
+    (the rotary embedding, the float16 rounding of this step's keys and values, the head reshapes
+    and transposes as nodes around AttentionRowsHalfCache): logits, next ids and every present key
+    and value the same bits, for one-token and many-token steps over empty, short and block-crossing
+    caches, with causal masks and with rows that see scattered cache columns (a packed pass)."""
+    from lade_export.feeds import example_feeds
+
+    unfused = onnx_ops(stories_lade_unfused)
+    assert unfused.count("AttentionRowsHalfCache") == 5 and "RotaryAttentionRows" not in unfused
+    assert unfused.count("Transpose") >= 15 and unfused.count("Cast") >= 20  # what the fusion removes
+    fused = onnx_ops(stories_lade)
+    assert len(fused) < len(unfused) - 5 * 25
+    dims = lade_export.load(stories_lade).artifact.dims
+    rng = np.random.default_rng(3)
+    cases = []
+    for step, past in ((1, 0), (1, 37), (4, 0), (7, 16), (16, 33), (2, 100)):
+        feeds = example_feeds(dims, step=step, past=past, seed=step + past, dtype=np.float16)
+        cases.append(feeds)
+        if past and step > 1:  # each row sees a scattered subset of the cache and itself
+            mask = np.zeros_like(feeds["attention_mask"])
+            mask[..., :past] = rng.random((step, past)) < 0.6
+            mask[0, 0, np.arange(step), past + np.arange(step)] = True
+            cases.append({**feeds, "attention_mask": mask})
+    got, want = _all_outputs(stories_lade, cases), _all_outputs(stories_lade_unfused, cases)
+    assert len(got) == len(cases) == 9
+    for case, a, b in zip(cases, got, want):
+        assert a.keys() == b.keys() and any(n.startswith("present.") for n in a)
+        for name in a:
+            assert a[name] == b[name], (name, case["input_ids"].shape)
+
+
+def onnx_ops(artifact) -> list[str]:
+    import onnx
+
+    return [n.op_type for n in onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph.node]
 
 def test_every_row_of_a_step_is_the_bits_it_has_alone(stories_lade):
     """The whole int8 step graph, not only its weight kernels: a token's logits and keys/values are
@@ -516,13 +584,13 @@ def test_the_int8_graph_reads_its_cache_in_place_and_batches_in_regions(stories_
 
     graph = onnx.load(str(stories_lade / "model.onnx"), load_external_data=False).graph
     inputs = {i.name for i in graph.input}
-    rows = [n for n in graph.node if n.op_type == "AttentionRowsHalfCache"]  # float16 cache, read in place
-    assert not [n for n in graph.node if n.op_type == "AttentionRows"]
+    rows = [n for n in graph.node if n.op_type == "RotaryAttentionRows"]  # float16 cache, read in place
+    assert not [n for n in graph.node if n.op_type in ("AttentionRows", "AttentionRowsHalfCache")]
     cache_io = [t for t in (*graph.input, *graph.output) if t.name.startswith(("past_key_values.", "present."))]
     assert len(cache_io) == 4 * 5 and {t.type.tensor_type.elem_type for t in cache_io} == {onnx.TensorProto.FLOAT16}
-    assert [next(a.i for a in n.attribute if a.name == "past_layout") for n in rows] == [1] * 5
-    assert [(n.input[1], n.input[3]) for n in rows] == [(f"past_key_values.{i}.key", f"past_key_values.{i}.value")
-                                                        for i in range(5)]
+    assert [(n.input[3], n.input[4], n.output[1], n.output[2]) for n in rows] == [
+        (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
+        for i in range(5)]
     assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inputs]
     model = lade_export.load(stories_lade)
     decoder = model.decoder

@@ -226,8 +226,11 @@ def inspect(artifact_dir, as_json):
     console.print(escape(f"mask: {m.graph.mask or '?'}"))
     q = m.quantization
     rows = q.graph.attention_rows if q is not None else None
+    fused = q.graph.rotary_attention_rows if q is not None else None
     # an int8-compute lade build's attentions are the kernels' (the graph's record names the exported form)
     attention = f"{artifact.attention}, each as the lade kernels' AttentionRows ({rows})" if rows else artifact.attention
+    if fused:
+        attention += f", {fused} of them with their rotary embedding and head layout fused (RotaryAttentionRows)"
     console.print(escape(f"attention: {attention}; KV cache: {m.graph.kv_layout or artifact.kv_layout}"))
     if q is not None:
         spec, quality, library = q.spec, q.quality, q.kernels

@@ -12,7 +12,8 @@ module                      job
 ``quantize``                int4/int8 graphs (``MatMulNBits`` or this project's kernels), quality report
 ``quantized_ops``           the ONNX nodes of quantized MatMuls and embeddings
 ``weight_blocks``           block quantization grids and the kernels' lane packing (numpy)
-``attention_rows``          the int8 path's attention swapped for the kernels' ``AttentionRows``
+``attention_rows``          the int8 path's attention swapped for the kernels' ``AttentionRows``,
+                            then each layer's for one ``RotaryAttentionRows``
 ``precision``               graphs exported in float16/bfloat16 for TensorRT
 ``parity``                  ONNX Runtime against PyTorch and transformers on real prompts
 ``optimization_profiles``   TensorRT optimization profiles (min/opt/max shapes) per lookahead profile

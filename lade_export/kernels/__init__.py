@@ -2,7 +2,7 @@
 
 ``block_quant_ops.cc`` is an ONNX Runtime custom-op library (ONNX Runtime docs, "Custom
 operators": a shared library exporting ``RegisterCustomOps``, loaded with
-``SessionOptions.register_custom_ops_library``) with two operators in the domain
+``SessionOptions.register_custom_ops_library``) with these operators in the domain
 ``lade_export``:
 
 * ``MatMulBlockQ(X float[..., K], Q uint8[N/16, K/32, 64·bits], D float16[N/16, K/32, 16],
@@ -38,6 +38,19 @@ requests in a packed pass); otherwise the keys of the blocks some row sees are f
 16`` floats, kept for the next call: it follows the columns the pass's requests own, not the
 pool's size). Graphs carrying ``past_layout=1`` say so in their ONNX metadata
 (``attention_skips_masked = 16``, read by the ONNX Runtime engine as ``Engine.attention_skips``).
+``AttentionRowsHalfCache`` (same inputs, PK and PV float16) widens a float16 cache exactly.
+
+``RotaryAttentionRows(QKV float[B, S, (H + 2·KV)·D], cos float[B, S, 1, D], sin, PK float16[B,
+P, KV, D], PV, masked) -> (float[B, S, H·D], present key float16[B, S, KV, D], present value)``
+(attributes ``scale``, ``heads``, ``kv_heads``) is a whole layer's attention of an int8 graph
+with a float16 cache, from the fused query/key/value projection to the output projection's
+input: the rotary embedding of the query and key heads (rotate-half form; a product, a
+product and a sum, each rounded, as the graph's nodes did), this step's keys and values rounded
+to float16 (the ``present`` outputs) and widened back, ``AttentionRowsHalfCache`` on them, and the
+heads laid back side by side. The same operations in the same order as the ~30 nodes it
+replaces (:func:`lade_export.export.attention_rows.fuse_rotary_attention`), so the same bits;
+ONNX Runtime dispatches those nodes one by one on one thread while the other waits, ~1.8 µs
+each here, about an eighth of a one-token step of SmolLM2 (bench/results/step-costs.md).
 
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 

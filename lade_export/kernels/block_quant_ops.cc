@@ -11,6 +11,9 @@
 //       attention with every query row computed alone (int8-compute graphs; see below).
 //   AttentionRowsHalfCache(Q, PK, K, PV, V, masked) -> float            attributes scale, past_layout = 1
 //       the same over a float16 cache (PK, PV float16, read in place), widened exactly.
+//   RotaryAttentionRows(QKV, cos, sin, PK, PV, masked) -> float, float16, float16   attributes scale, heads, kv_heads
+//       a layer's attention from its fused projection on: the rotary embedding, this step's keys and
+//       values as the float16 present outputs, then AttentionRowsHalfCache (one node for ~30).
 //
 // Weights come in blocks of 32 along K with bits ∈ {4, 8} per weight: w = D·code + M (GGML's
 // Q4_1; Q8_0 as code = q + 128, M = −128·D).
@@ -66,6 +69,28 @@ float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// float → float16 bits, rounded to nearest, ties to even (IEEE 754 convertFormat, what a Cast to float16
+// gives): overflow to ±inf, float16 subnormals kept, NaN stays a (quiet) NaN. Scalar on every path.
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // ≥ 65520 (or inf): ±inf
+  if (a >= 0x38800000u) {  // a float16 normal (≥ 2^-14): 10 of the 23 fraction bits, rounded
+    uint32_t h = ((((a >> 23) - 127 + 15) << 10) | ((a & 0x7fffffu) >> 13));
+    const uint32_t rest = a & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent exactly
+    return static_cast<uint16_t>(sign | h);
+  }
+  if (a < 0x33000000u) return static_cast<uint16_t>(sign);  // ≤ 2^-25 rounds to ±0
+  const uint32_t exp = a >> 23, man = (a & 0x7fffffu) | 0x800000u, shift = 126 - exp;  // 14 … 24
+  uint32_t h = man >> shift;
+  const uint32_t rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1u))) ++h;  // may become the smallest normal, 0x400: exact
+  return static_cast<uint16_t>(sign | h);
 }
 
 // Packed layout ("column lanes"): columns in tiles of 16, one per 32-bit lane of a 512-bit
@@ -1459,6 +1484,88 @@ void run_tiles(void* data, size_t task) {
   tiles_of<false>(job, static_cast<int64_t>(task));
 }
 
+// One AttentionRows pass over shapes already checked: Q [B, KV, rows, D], this step's K [B, KV, D, S] and
+// V [B, KV, S, D], the cache (pk/pv float32, or pk16/pv16 float16 bits; in place: sequence-major [B, P, KV, D],
+// else PK [B, KV, D, P] and PV [B, KV, P, D]), masked [B, 1, 1, S, P+S] → out [B, KV, rows, D].
+void attention_rows(Ort::KernelContext& ctx, const float* q, const float* pk, const float* k, const float* pv,
+                    const float* v, const bool* m, const uint16_t* pk16, const uint16_t* pv16, float* out, int64_t b,
+                    int64_t kv, int64_t rows, int64_t d, int64_t p, int64_t s, float scale, bool in_place) {
+  const int64_t nb_p = (p + kKeys - 1) / kKeys, nb_s = (s + kKeys - 1) / kKeys, total = p + s;
+  // per step row: which blocks of 16 columns it sees (shared by every head and query group)
+  thread_local std::vector<uint8_t> seen;
+  thread_local std::vector<int32_t> slot;
+  thread_local std::vector<float> tiles;
+  seen.assign(static_cast<size_t>(b * s * (nb_p + nb_s)), 0);
+  slot.assign(static_cast<size_t>(b * nb_p), -1);
+  for (int64_t bt = 0; bt < b * s; ++bt) {
+    const bool* row = m + bt * total;
+    uint8_t* flags = seen.data() + bt * (nb_p + nb_s);
+    for (int64_t i = 0; i < nb_p; ++i)
+      if ((flags[i] = block_seen(row + i * kKeys, std::min(kKeys, p - i * kKeys)))) slot[(bt / s) * nb_p + i] = 0;
+    for (int64_t i = 0; i < nb_s; ++i)
+      flags[nb_p + i] = block_seen(row + p + i * kKeys, std::min(kKeys, s - i * kKeys));
+  }
+  int64_t n_tiles = 0;  // tiles only for the blocks seen: memory follows the pass's requests, not the pool
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int32_t count = 0;
+    for (int64_t i = 0; i < nb_p; ++i)
+      if (slot[bi * nb_p + i] == 0) slot[bi * nb_p + i] = count++;
+    n_tiles = std::max<int64_t>(n_tiles, count);
+  }
+  AttnJob job{q, pk, k, pv, v, m, b, kv, rows, d, p, s, scale, out,
+              in_place, pk16, pv16, seen.data(), nb_p, nb_s, nullptr, slot.data(), n_tiles,
+              nullptr, nullptr, false};
+#ifdef LADE_X86
+  if (dispatch().float_avx512 && d <= 128 && b * kv * rows) {  // rows that see the same blocks, in groups
+    thread_local std::vector<AttnGroup> groups;
+    thread_local std::vector<int32_t> group_rows;
+    thread_local std::vector<int32_t> readers;  // [B, nb_p]: groups per head that see the cache block
+    groups.clear();
+    group_rows.clear();
+    readers.assign(static_cast<size_t>(b * nb_p), 0);
+    const int64_t heads = rows / s, width = nb_p + nb_s;
+    // rows per group: as many as the value sweep holds in registers (group_values_chunks), so that
+    // each group reads the values once
+    const int64_t most = d <= 32 ? kGroupRows : d <= 64 ? 6 : 3;
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t t0 = 0, t1; t0 < s; t0 = t1) {  // step rows [t0, t1) see the same blocks
+        const uint8_t* flags = seen.data() + (bi * s + t0) * width;
+        for (t1 = t0 + 1; t1 < s && std::memcmp(seen.data() + (bi * s + t1) * width, flags, width) == 0;) ++t1;
+        const int64_t first = static_cast<int64_t>(group_rows.size()), count = (t1 - t0) * heads;
+        for (int64_t t = t0; t < t1; ++t)  // the query heads of a step row side by side
+          for (int64_t g = 0; g < heads; ++g) group_rows.push_back(static_cast<int32_t>(g * s + t));
+        const int64_t parts = (count + most - 1) / most, size = (count + parts - 1) / parts;
+        for (int64_t h = 0; h < kv; ++h)
+          for (int64_t at = 0; at < count; at += size)
+            groups.push_back({bi, h, static_cast<int32_t>(first + at),
+                              static_cast<int32_t>(std::min(size, count - at))});
+        for (int64_t i = 0; i < nb_p; ++i) readers[bi * nb_p + i] += flags[i] ? static_cast<int32_t>(parts) : 0;
+      }
+    // A cache block read by one or two groups is transposed in registers by each; by more, copied once
+    // into a tile that they all load (the copy costs about what two in-register transposes cost).
+    job.direct = in_place && d % 16 == 0 &&
+                 (readers.empty() || *std::max_element(readers.begin(), readers.end()) <= 2);
+    if (in_place && !job.direct) {
+      tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
+      job.tiles = tiles.data();
+      if (b * kv * n_tiles)
+        ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
+    }
+    job.groups = groups.data();
+    job.group_rows = group_rows.data();
+    ctx.ParallelFor(run_attention_groups, groups.size(), 0, &job);
+    return;
+  }
+#endif
+  if (in_place) {
+    tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
+    job.tiles = tiles.data();
+    if (b * kv * n_tiles)
+      ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
+  }
+  if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
+}
+
 struct AttentionKernel {
   float scale;
   int64_t past_layout;
@@ -1486,88 +1593,107 @@ struct AttentionKernel {
         throw Error("Q " + dims(qs) + ", PK " + dims(pks) + ", K " + dims(ks) + ", PV " + dims(pvs) + ", V " +
                     dims(vs) + " and masked " + dims(ms) + " do not fit together");
       auto out = ctx.GetOutput(0, qs);
-      const int64_t nb_p = (p + kKeys - 1) / kKeys, nb_s = (s + kKeys - 1) / kKeys, total = p + s;
-      const bool* m = masked.GetTensorData<bool>();
-      // per step row: which blocks of 16 columns it sees (shared by every head and query group)
-      thread_local std::vector<uint8_t> seen;
-      thread_local std::vector<int32_t> slot;
-      thread_local std::vector<float> tiles;
-      seen.assign(static_cast<size_t>(b * s * (nb_p + nb_s)), 0);
-      slot.assign(static_cast<size_t>(b * nb_p), -1);
-      for (int64_t bt = 0; bt < b * s; ++bt) {
-        const bool* row = m + bt * total;
-        uint8_t* flags = seen.data() + bt * (nb_p + nb_s);
-        for (int64_t i = 0; i < nb_p; ++i)
-          if ((flags[i] = block_seen(row + i * kKeys, std::min(kKeys, p - i * kKeys)))) slot[(bt / s) * nb_p + i] = 0;
-        for (int64_t i = 0; i < nb_s; ++i)
-          flags[nb_p + i] = block_seen(row + p + i * kKeys, std::min(kKeys, s - i * kKeys));
-      }
-      int64_t n_tiles = 0;  // tiles only for the blocks seen: memory follows the pass's requests, not the pool
-      for (int64_t bi = 0; bi < b; ++bi) {
-        int32_t count = 0;
-        for (int64_t i = 0; i < nb_p; ++i)
-          if (slot[bi * nb_p + i] == 0) slot[bi * nb_p + i] = count++;
-        n_tiles = std::max<int64_t>(n_tiles, count);
-      }
-      const uint16_t* pk16 = half_cache ? static_cast<const uint16_t*>(pk.GetTensorRawData()) : nullptr;
-      const uint16_t* pv16 = half_cache ? static_cast<const uint16_t*>(pv.GetTensorRawData()) : nullptr;
-      AttnJob job{q.GetTensorData<float>(), half_cache ? nullptr : pk.GetTensorData<float>(), k.GetTensorData<float>(),
-                  half_cache ? nullptr : pv.GetTensorData<float>(), v.GetTensorData<float>(), m,
-                  b, kv, rows, d, p, s, scale, out.GetTensorMutableData<float>(),
-                  in_place, pk16, pv16, seen.data(), nb_p, nb_s, nullptr, slot.data(), n_tiles,
-                  nullptr, nullptr, false};
-#ifdef LADE_X86
-      if (dispatch().float_avx512 && d <= 128 && b * kv * rows) {  // rows that see the same blocks, in groups
-        thread_local std::vector<AttnGroup> groups;
-        thread_local std::vector<int32_t> group_rows;
-        thread_local std::vector<int32_t> readers;  // [B, nb_p]: groups per head that see the cache block
-        groups.clear();
-        group_rows.clear();
-        readers.assign(static_cast<size_t>(b * nb_p), 0);
-        const int64_t heads = rows / s, width = nb_p + nb_s;
-        // rows per group: as many as the value sweep holds in registers (group_values_chunks), so that
-        // each group reads the values once
-        const int64_t most = d <= 32 ? kGroupRows : d <= 64 ? 6 : 3;
-        for (int64_t bi = 0; bi < b; ++bi)
-          for (int64_t t0 = 0, t1; t0 < s; t0 = t1) {  // step rows [t0, t1) see the same blocks
-            const uint8_t* flags = seen.data() + (bi * s + t0) * width;
-            for (t1 = t0 + 1; t1 < s && std::memcmp(seen.data() + (bi * s + t1) * width, flags, width) == 0;) ++t1;
-            const int64_t first = static_cast<int64_t>(group_rows.size()), count = (t1 - t0) * heads;
-            for (int64_t t = t0; t < t1; ++t)  // the query heads of a step row side by side
-              for (int64_t g = 0; g < heads; ++g) group_rows.push_back(static_cast<int32_t>(g * s + t));
-            const int64_t parts = (count + most - 1) / most, size = (count + parts - 1) / parts;
-            for (int64_t h = 0; h < kv; ++h)
-              for (int64_t at = 0; at < count; at += size)
-                groups.push_back({bi, h, static_cast<int32_t>(first + at),
-                                  static_cast<int32_t>(std::min(size, count - at))});
-            for (int64_t i = 0; i < nb_p; ++i) readers[bi * nb_p + i] += flags[i] ? static_cast<int32_t>(parts) : 0;
-          }
-        // A cache block read by one or two groups is transposed in registers by each; by more, copied once
-        // into a tile that they all load (the copy costs about what two in-register transposes cost).
-        job.direct = in_place && d % 16 == 0 &&
-                     (readers.empty() || *std::max_element(readers.begin(), readers.end()) <= 2);
-        if (in_place && !job.direct) {
-          tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
-          job.tiles = tiles.data();
-          if (b * kv * n_tiles)
-            ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
-        }
-        job.groups = groups.data();
-        job.group_rows = group_rows.data();
-        ctx.ParallelFor(run_attention_groups, groups.size(), 0, &job);
-        return nullptr;
-      }
-#endif
-      if (in_place) {
-        tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
-        job.tiles = tiles.data();
-        if (b * kv * n_tiles)
-          ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
-      }
-      if (b * kv * rows) ctx.ParallelFor(run_attention, static_cast<size_t>(b * kv * rows), 0, &job);
+      attention_rows(ctx, q.GetTensorData<float>(), half_cache ? nullptr : pk.GetTensorData<float>(),
+                     k.GetTensorData<float>(), half_cache ? nullptr : pv.GetTensorData<float>(), v.GetTensorData<float>(),
+                     masked.GetTensorData<bool>(),
+                     half_cache ? static_cast<const uint16_t*>(pk.GetTensorRawData()) : nullptr,
+                     half_cache ? static_cast<const uint16_t*>(pv.GetTensorRawData()) : nullptr,
+                     out.GetTensorMutableData<float>(), b, kv, rows, d, p, s, scale, in_place);
       return nullptr;
     } catch (const std::exception& e) {
       return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string("AttentionRows: ") + e.what()).c_str());
+    }
+  }
+};
+
+// RotaryAttentionRows: a decoder layer's attention from its fused query/key/value projection to the
+// input of its output projection, in one node (int8-compute graphs whose KV cache is float16; the
+// rewrite lade_export.export.attention_rows.fuse_rotary_attention swaps it in):
+//   RotaryAttentionRows(QKV float[B, S, (H + 2·KV)·D], cos float[B, S, 1, D], sin float[B, S, 1, D],
+//                       PK float16[B, P, KV, D], PV float16[B, P, KV, D], masked bool[B, 1, 1, S, P+S])
+//     -> out float[B, S, H·D], present key float16[B, S, KV, D], present value float16[B, S, KV, D]
+//   attributes scale, heads (H), kv_heads (KV).
+// The same operations, in the same order, as the subgraph it replaces: the rotary embedding of the
+// query and key heads (Su et al. 2021, arXiv 2104.09864, in the rotate-half form of LLaMA:
+// y = x·cos + rotate_half(x)·sin, rotate_half(x) = (−x[D/2:], x[:D/2]); a product, a product, a sum,
+// each rounded, no FMA), this step's keys and values rounded to float16 (the present outputs) and
+// widened back, then AttentionRowsHalfCache's arithmetic on them with query head h in KV group
+// h / (H/KV) — so its outputs are that subgraph's bits, and a row's bits still depend on its own
+// row, its keys and its mask alone. It saves the ~30 small nodes per layer that ONNX Runtime would
+// dispatch one by one (reshapes, transposes, casts, the rotary embedding's slices and products).
+struct RotaryAttentionKernel {
+  float scale;
+  int64_t heads, kv_heads;
+
+  static void rotate(const float* x, const float* c, const float* sn, int64_t d, float* y) {
+    const int64_t half = d / 2;
+    for (int64_t e = 0; e < d; ++e) {
+      const float turned = e < half ? -x[e + half] : x[e - half];
+      const float a = x[e] * c[e], b = turned * sn[e];
+      y[e] = a + b;
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      Ort::KernelContext ctx(raw);
+      auto qkv = ctx.GetInput(0), cos = ctx.GetInput(1), sin = ctx.GetInput(2), pk = ctx.GetInput(3),
+           pv = ctx.GetInput(4), masked = ctx.GetInput(5);
+      const auto xs = shape_of(qkv), cs = shape_of(cos), ss = shape_of(sin), pks = shape_of(pk), pvs = shape_of(pv),
+                 ms = shape_of(masked);
+      if (xs.size() != 3 || cs.size() != 4 || pks.size() != 4 || ms.size() != 5)
+        throw Error("inputs are not QKV [B, S, (H+2·KV)·D], cos and sin [B, S, 1, D], PK and PV [B, P, KV, D], "
+                    "masked [B, 1, 1, S, P+S]");
+      const int64_t b = xs[0], s = xs[1], h = heads, kv = kv_heads, width = xs[2];
+      const int64_t d = (h + 2 * kv) > 0 ? width / (h + 2 * kv) : 0, p = pks[1], g = kv ? h / kv : 0;
+      if (d == 0 || d % 2 || d * (h + 2 * kv) != width || cs != std::vector<int64_t>{b, s, 1, d} || ss != cs ||
+          pks != std::vector<int64_t>{b, p, kv, d} || pvs != pks || ms != std::vector<int64_t>{b, 1, 1, s, p + s} ||
+          s == 0)
+        throw Error("QKV " + dims(xs) + ", cos " + dims(cs) + ", sin " + dims(ss) + ", PK " + dims(pks) + ", PV " +
+                    dims(pvs) + " and masked " + dims(ms) + " do not fit heads = " + std::to_string(h) +
+                    ", kv_heads = " + std::to_string(kv));
+      auto out = ctx.GetOutput(0, {b, s, h * d});
+      auto present_k = ctx.GetOutput(1, {b, s, kv, d}), present_v = ctx.GetOutput(2, {b, s, kv, d});
+      const float *x = qkv.GetTensorData<float>(), *cf = cos.GetTensorData<float>(), *sf = sin.GetTensorData<float>();
+      uint16_t* hk = static_cast<uint16_t*>(present_k.GetTensorMutableRawData());
+      uint16_t* hv = static_cast<uint16_t*>(present_v.GetTensorMutableRawData());
+      const int64_t rows = g * s;  // rows of a KV group: query head g' of step row t at g'·S + t
+      thread_local std::vector<float> qb, kb, vb, ob, turned;
+      qb.resize(static_cast<size_t>(b * kv * rows * d));
+      kb.resize(static_cast<size_t>(b * kv * d * s));
+      vb.resize(static_cast<size_t>(b * kv * s * d));
+      ob.resize(static_cast<size_t>(b * kv * rows * d));
+      turned.resize(static_cast<size_t>(d));
+      for (int64_t bi = 0; bi < b; ++bi)
+        for (int64_t t = 0; t < s; ++t) {
+          const int64_t at = bi * s + t;
+          const float *row = x + at * width, *c = cf + at * d, *sn = sf + at * d;
+          for (int64_t head = 0; head < h; ++head)  // Q [B, KV, G·S, D]
+            rotate(row + head * d, c, sn, d, qb.data() + ((bi * kv + head / g) * rows + (head % g) * s + t) * d);
+          for (int64_t j = 0; j < kv; ++j) {
+            rotate(row + (h + j) * d, c, sn, d, turned.data());
+            const float* value = row + (h + kv + j) * d;
+            uint16_t *key16 = hk + (at * kv + j) * d, *value16 = hv + (at * kv + j) * d;
+            for (int64_t e = 0; e < d; ++e) {
+              key16[e] = float_to_half(turned[e]);
+              value16[e] = float_to_half(value[e]);
+              kb[((bi * kv + j) * d + e) * s + t] = half_to_float(key16[e]);  // K [B, KV, D, S]
+              vb[((bi * kv + j) * s + t) * d + e] = half_to_float(value16[e]);  // V [B, KV, S, D]
+            }
+          }
+        }
+      attention_rows(ctx, qb.data(), nullptr, kb.data(), nullptr, vb.data(), masked.GetTensorData<bool>(),
+                     static_cast<const uint16_t*>(pk.GetTensorRawData()),
+                     static_cast<const uint16_t*>(pv.GetTensorRawData()), ob.data(), b, kv, rows, d, p, s, scale, true);
+      float* y = out.GetTensorMutableData<float>();
+      for (int64_t bi = 0; bi < b; ++bi)  // out [B, S, H·D]
+        for (int64_t t = 0; t < s; ++t)
+          for (int64_t head = 0; head < h; ++head)
+            std::memcpy(y + ((bi * s + t) * h + head) * d, ob.data() + ((bi * kv + head / g) * rows + (head % g) * s + t) * d,
+                        static_cast<size_t>(d) * sizeof(float));
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string("RotaryAttentionRows: ") + e.what()).c_str());
     }
   }
 };
@@ -1652,6 +1778,29 @@ struct AttentionHalfCacheOp : Op<AttentionHalfCacheOp, AttentionKernel> {
   }
 };
 
+// RotaryAttentionRows (above): three outputs, the attention's float32 and the present key and value in float16.
+struct RotaryAttentionOp : Op<RotaryAttentionOp, RotaryAttentionKernel> {
+  static constexpr const char* kName = "RotaryAttentionRows";
+  static constexpr size_t kInputs = 6;
+  static RotaryAttentionKernel* make(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo k(info);
+    const int64_t heads = k.GetAttribute<int64_t>("heads"), kv_heads = k.GetAttribute<int64_t>("kv_heads");
+    if (heads < 1 || kv_heads < 1 || heads % kv_heads)
+      throw Error("heads = " + std::to_string(heads) + " is not a positive multiple of kv_heads = " +
+                  std::to_string(kv_heads));
+    return new RotaryAttentionKernel{k.GetAttribute<float>("scale"), heads, kv_heads};
+  }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL
+           : (i == 3 || i == 4) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  }
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
@@ -1664,10 +1813,12 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   static GatherOp gather;
   static AttentionOp attention;
   static AttentionHalfCacheOp attention_half_cache;
+  static RotaryAttentionOp rotary_attention;
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* s = api->CreateCustomOpDomain("lade_export", &domain)) return s;
   for (OrtCustomOp* op : {static_cast<OrtCustomOp*>(&matmul), static_cast<OrtCustomOp*>(&gather),
-                          static_cast<OrtCustomOp*>(&attention), static_cast<OrtCustomOp*>(&attention_half_cache)})
+                          static_cast<OrtCustomOp*>(&attention), static_cast<OrtCustomOp*>(&attention_half_cache),
+                          static_cast<OrtCustomOp*>(&rotary_attention)})
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, op)) return s;
   return api->AddCustomOpDomain(options, domain);
 }
