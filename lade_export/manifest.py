@@ -567,6 +567,9 @@ class QuantizedGraph(_Section):
             (:func:`lade_export.export.attention_rows.fuse_rotary_attention`; int8-compute builds
             made since the operator exists), None where the graph has none (earlier builds: an
             ``AttentionRowsHalfCache`` per layer among the graph's own nodes).
+        matmul_row_work: ``{"rms_norm", "swiglu", "residual"}`` → nodes folded into ``MatMulBlockQ``
+            (:func:`lade_export.export.row_fusion.fuse_row_work`; int8-compute builds since that
+            fusion exists), None where nothing was folded.
         extra: keys this version does not know, kept.
     """
 
@@ -578,6 +581,7 @@ class QuantizedGraph(_Section):
     attention_rows: int | None = None
     kv_cache_dtype: str | None = None
     rotary_attention_rows: int | None = None
+    matmul_row_work: Mapping | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
 

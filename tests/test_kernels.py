@@ -150,6 +150,33 @@ for threads in (1, 2):
             for start in sorted({0, 3, 40 - width}):
                 part = s.run(None, {"x": x[start:start + width]})[0]
                 independent &= bool(np.array_equal(part, y[start:start + width]))
+    # the row prologues (1: RMS norm, 2: SwiGLU) and the residual input: the same for every row count and path
+    for kind, k, n in ((1, 576, 200), (2, 1536, 48), (1, 64, 344), (2, 64, 40)):
+        w = _q4_1_grid(np.random.default_rng(k + n + kind), k, n)
+        p = pack_block_lanes(w, 4, "minmax")
+        wide = 2 * k if kind == 2 else k
+        gamma = np.random.default_rng(kind + k).uniform(0.5, 1.5, k).astype(np.float32)
+        node = helper.make_node("MatMulBlockQ", ["x", "q", "d", "m", "r"] + (["g"] if kind == 1 else []), ["y"],
+                                domain="lade_export", N=n, compute=1, prologue=kind, epsilon=1e-5)
+        inits = {"q": p["q"], "d": p["d"], "m": p["m"], **({"g": gamma} if kind == 1 else {})}
+        s = _session(sys.argv[1], [node], inits, [("x", TensorProto.FLOAT, ["s", wide]), ("r", TensorProto.FLOAT, ["s", n])],
+                     threads=threads)
+        x = np.random.default_rng(k * n + kind).standard_normal((40, wide)).astype(np.float32) * 3
+        r = np.random.default_rng(n).standard_normal((40, n)).astype(np.float32)
+        y = s.run(None, {"x": x, "r": r})[0]
+        digest.update(y.tobytes())
+        x64 = x.astype(np.float64)
+        if kind == 1:
+            a = gamma * x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5)
+        else:
+            g, u = x64[:, :k], x64[:, k:]
+            a = g / (1 + np.exp(-g)) * u
+        prod = a @ dequantize_block_lanes(p).astype(np.float64)
+        worst = max(worst, float(np.max(np.abs(y - r - prod)) / np.max(np.abs(prod))))
+        for width in (1, 2, 5, 8, 9, 16, 17, 32):
+            for start in sorted({0, 3, 40 - width}):
+                part = s.run(None, {"x": x[start:start + width], "r": r[start:start + width]})[0]
+                independent &= bool(np.array_equal(part, y[start:start + width]))
     digests[threads] = digest.hexdigest()
 print(json.dumps({"path": running_path(sys.argv[1], "int8"), "worst_rel": worst, "independent": independent,
                   "digests": digests}))
@@ -201,6 +228,46 @@ def test_the_integer_path_differs_from_float32_compute_and_a_bad_forced_path_is_
                                                           if library_paths(library)["int8"][p])
     assert _forced("", script, library)["path"] == _forced(None, script, library)["path"]  # empty: not forced
 
+
+
+def test_row_prologues_and_the_residual_compute_their_formulas(library):
+    """MatMulBlockQ's row prologues on the float32-compute path against float64: RMS norm
+    (γ·x/sqrt(mean(x²)+ε), LLaMA's) and SwiGLU ((g·σ(g))·u over X = [gate | up]), each then
+    multiplied by the weight, plus the residual input; a missing norm weight or a residual of
+    another shape is one line."""
+    from onnx import TensorProto, helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    rng = np.random.default_rng(8)
+    for kind, k, n in ((1, 128, 40), (2, 96, 33)):
+        w = _q4_1_grid(rng, k, n)
+        p = pack_block_lanes(w, 4, "minmax")
+        wide = 2 * k if kind == 2 else k
+        gamma = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        node = helper.make_node("MatMulBlockQ", ["x", "q", "d", "m", "r"] + (["g"] if kind == 1 else []), ["y"],
+                                domain="lade_export", N=n, prologue=kind, epsilon=1e-6)
+        inits = {"q": p["q"], "d": p["d"], "m": p["m"], **({"g": gamma} if kind == 1 else {})}
+        s = _session(library, [node], inits, [("x", TensorProto.FLOAT, ["s", wide]), ("r", TensorProto.FLOAT, ["s", "c"])])
+        x = (rng.standard_normal((5, wide)) * 4).astype(np.float32)
+        r = rng.standard_normal((5, n)).astype(np.float32)
+        x64 = x.astype(np.float64)
+        if kind == 1:
+            a = gamma * x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6)
+        else:
+            a = x64[:, :k] / (1 + np.exp(-x64[:, :k])) * x64[:, k:]
+        want = r + a @ dequantize_block_lanes(p).astype(np.float64)
+        got = s.run(None, {"x": x, "r": r})[0]
+        assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5, kind
+        with pytest.raises(InvalidArgument, match=r"MatMulBlockQ: the residual R \[5, 3\] is not Y's shape \[5, "):
+            s.run(None, {"x": x, "r": r[:, :3]})
+    bare = helper.make_node("MatMulBlockQ", ["x", "q", "d", "m"], ["y"], domain="lade_export", N=33, prologue=1)
+    s = _session(library, [bare], {"q": p["q"], "d": p["d"], "m": p["m"]}, [("x", TensorProto.FLOAT, ["s", 96])])
+    with pytest.raises(InvalidArgument, match=r"MatMulBlockQ: the RMS norm prologue needs its weight γ \[96\] as input 5"):
+        s.run(None, {"x": np.ones((1, 96), np.float32)})
+    with pytest.raises(InvalidArgument, match=r"MatMulBlockQ: X \[1, 96\] does not end in 2·K = 192"):
+        _session(library, [helper.make_node("MatMulBlockQ", ["x", "q", "d", "m"], ["y"], domain="lade_export", N=33,
+                                            prologue=2)], {"q": p["q"], "d": p["d"], "m": p["m"]},
+                 [("x", TensorProto.FLOAT, ["s", 96])]).run(None, {"x": np.ones((1, 96), np.float32)})
 
 def test_gather_block_q_returns_table_rows_and_names_bad_input(library):
     from onnx import TensorProto, helper
@@ -261,6 +328,10 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     assert not {"Slice", "Transpose", "Neg", "Reshape"} & set(ops) and ops.count("Cast") <= 1  # positions to float
     assert m["quantization"]["graph"]["kv_cache_dtype"] == "float16"
     assert m["quantization"]["graph"]["rotary_attention_rows"] == 5
+    # the norms before q/k/v, gate/up and the head, and the residual after o_proj, inside MatMulBlockQ (the
+    # float32 down projection keeps its SwiGLU and its residual Add)
+    assert m["quantization"]["graph"]["matmul_row_work"] == {"rms_norm": 11, "swiglu": 0, "residual": 5}
+    assert "ReduceMean" not in ops and ops.count("Add") == 5 and ops.count("Sigmoid") == 5
     assert "(sequence-major), float16, RoPE applied to keys" in m["graph"]["kv_layout"]
     cache_specs = [t for t in m["graph"]["inputs"] + m["graph"]["outputs"]
                    if t["name"].startswith(("past_key_values.", "present."))]
@@ -293,8 +364,9 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
 
 @pytest.fixture(scope="module")
 def stories_lade_unfused(tmp_path_factory, stories_dir, stories_loaded):
-    """stories260K's int8 build without RotaryAttentionRows: each layer's attention as the graph's
-    own nodes around AttentionRowsHalfCache (what builds made before the fused operator hold)."""
+    """stories260K's int8 build without RotaryAttentionRows (its norms, SwiGLU and residual adds
+    folded into MatMulBlockQ as in every int8 build): each layer's attention as the graph's own
+    nodes around AttentionRowsHalfCache, as builds made before the fused operator hold it."""
     from unittest import mock
 
     from lade_export.export.build import build_artifact

@@ -14,6 +14,7 @@ module                      job
 ``weight_blocks``           block quantization grids and the kernels' lane packing (numpy)
 ``attention_rows``          the int8 path's attention swapped for the kernels' ``AttentionRows``,
                             then each layer's for one ``RotaryAttentionRows``
+``row_fusion``              the int8 path's norms, SwiGLU and residual adds folded into ``MatMulBlockQ``
 ``precision``               graphs exported in float16/bfloat16 for TensorRT
 ``parity``                  ONNX Runtime against PyTorch and transformers on real prompts
 ``optimization_profiles``   TensorRT optimization profiles (min/opt/max shapes) per lookahead profile

@@ -81,6 +81,7 @@ from ..kernels import COMPUTE, KERNELS
 from .attention_rows import exact_attention, fuse_rotary_attention, half_precision_cache
 from .sanitize import drop_unused_initializers
 from .quantized_ops import block_q_embedding, nbits_embedding, quantized_matmul
+from .row_fusion import fuse_row_work
 from .weight_blocks import LANE_BLOCK
 
 #: ``--precision`` values for ONNX Runtime, and the bits each means.
@@ -274,6 +275,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         model.metadata_props.append(onnx.StringStringEntryProto(key="attention_skips_masked", value="16"))
     half_cache = half_precision_cache(graph)  # 0 without in-place AttentionRows
     rotary = fuse_rotary_attention(graph) if half_cache else 0  # one RotaryAttentionRows per layer
+    folded = fuse_row_work(graph) if attentions else {}  # norms, SwiGLU, residual adds into MatMulBlockQ
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
     if not any(o.domain == domain for o in model.opset_import):
@@ -286,7 +288,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     return {"matmuls": matmuls, "embedding": embedding, "bytes_before": int(bytes_before), "bytes_after": int(size),
             **({"attention_rows": attentions} if attentions else {}),
             **({"kv_cache_dtype": "float16"} if half_cache else {}),
-            **({"rotary_attention_rows": rotary} if rotary else {})}
+            **({"rotary_attention_rows": rotary} if rotary else {}),
+            **({"matmul_row_work": folded} if any(folded.values()) else {})}
 
 
 def teacher_forced_logits(engine, sequences: list[tuple[list[int], int]]) -> Iterator[np.ndarray]:

@@ -52,6 +52,14 @@ replaces (:func:`lade_export.export.attention_rows.fuse_rotary_attention`), so t
 ONNX Runtime dispatches those nodes one by one on one thread while the other waits, ~1.8 µs
 each here, about an eighth of a one-token step of SmolLM2 (bench/results/step-costs.md).
 
+``MatMulBlockQ`` takes two optional inputs and two attributes for the per-row work around a
+projection (:mod:`lade_export.export.row_fusion` folds it in on int8 graphs): ``prologue`` 1 (RMS
+norm, input 5 the weight γ [K], attribute ``epsilon``) or 2 (SwiGLU, X = [gate | up] of 2·K
+columns) transforms each row of X before the product, and input 4 ``R`` is added to Y
+(``Y = R + X·W``, a residual stream). The prologues are the kernels' own arithmetic, one fixed
+order per row (16 lane-partial sums of squares added as a tree for the norm; σ through the
+kernels' exp), the same bits on the AVX-512 and portable code.
+
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 
 * ``int8`` (``compute=1``, the default of ``--kernels lade`` builds): each row's activations

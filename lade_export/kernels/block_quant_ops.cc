@@ -750,6 +750,141 @@ void run_itask(void* data, size_t task) {
   }
 }
 
+// exp(x) for x ≤ 0 by the same operations on every path (so AVX-512 and scalar agree bit for bit):
+// n = round(x·log2 e), r = x − n·ln 2 (two parts), a degree-6 Taylor polynomial in r by FMAs, × 2^n;
+// x is clamped at −87 (2^n stays a normal float; what it gives there is ~1e-38, not 0).
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f, kRound = 12582912.0f;
+constexpr float kExpC[7] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720};
+
+inline float exp_scalar(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::fma(x, kLog2e, kRound) - kRound;
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kExpC[6];
+  for (int i = 5; i >= 0; --i) p = std::fma(p, r, kExpC[i]);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#ifdef LADE_X86
+__attribute__((target("avx512f,fma"))) inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound)),
+                                 _mm512_set1_ps(kRound));
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// ---- row prologues and the residual epilogue of MatMulBlockQ (int8 graphs' layer fusion) ----------
+// What each row of X becomes before the product (attribute prologue), computed for that row alone by
+// the same operations on every path (the AVX-512 code lane for lane as the scalar one, no contraction):
+//   1, RMS norm (LLaMA's RMSNorm; Zhang & Sennrich 2019, arXiv 1910.07467; input 5 = γ [K], attribute
+//      epsilon): r = 1 / sqrt(Σ_j x_j·x_j / K + ε), y_j = γ_j · (x_j · r), the sum as 16 partial sums
+//      (lane l: the j ≡ l mod 16 in order), then halves added (lanes l + 8, l + 4, l + 2, l + 1);
+//   2, SwiGLU (Shazeer 2020, arXiv 2002.05202; X [..., 2K] = [gate | up]): y_j = (g_j · σ(g_j)) · u_j,
+//      σ(g) = 1 / (1 + e) for g ≥ 0 and e / (1 + e) below, e = exp(−|g|) (exp_scalar / exp_avx512).
+// Input 4, when present, is added to each output after the product: Y = R + X·W (a residual stream).
+constexpr int64_t kPrologueNone = 0, kPrologueRmsNorm = 1, kPrologueSwiGlu = 2;
+
+float tree16(float* p) {  // Σ of 16 partial sums: halves added, l + 8, l + 4, l + 2, l + 1
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = p[l] + p[l + w];
+  return p[0];
+}
+
+inline float sigmoid_scalar(float g) {
+  const float e = exp_scalar(-std::fabs(g));
+  return g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+void rms_norm_row(const float* x, const float* gamma, int64_t k, float eps, float* y) {
+  float part[16] = {};
+  for (int64_t j = 0; j < k; j += 16)
+    for (int l = 0; l < 16; ++l) {
+      const float sq = x[j + l] * x[j + l];
+      part[l] = part[l] + sq;
+    }
+  const float r = 1.0f / std::sqrt(tree16(part) / static_cast<float>(k) + eps);
+  for (int64_t j = 0; j < k; ++j) y[j] = gamma[j] * (x[j] * r);
+}
+
+void swiglu_row(const float* x, int64_t k, float* y) {
+  for (int64_t j = 0; j < k; ++j) {
+    const float g = x[j], s = sigmoid_scalar(g);
+    y[j] = (g * s) * x[k + j];
+  }
+}
+
+#ifdef LADE_X86
+__attribute__((target("avx512f,fma"))) void rms_norm_row_avx512(const float* x, const float* gamma, int64_t k,
+                                                                 float eps, float* y) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  alignas(64) float part[16];
+  _mm512_store_ps(part, acc);
+  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(tree16(part) / static_cast<float>(k) + eps));
+  for (int64_t j = 0; j < k; j += 16)
+    _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_loadu_ps(gamma + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), r)));
+}
+
+__attribute__((target("avx512f,avx512dq,fma"))) void swiglu_row_avx512(const float* x, int64_t k, float* y) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 g = _mm512_loadu_ps(x + j);
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __mmask16 up = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 s = _mm512_div_ps(_mm512_mask_blend_ps(up, e, one), _mm512_add_ps(one, e));
+    _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_mul_ps(g, s), _mm512_loadu_ps(x + k + j)));
+  }
+  for (; j < k; ++j) y[j] = (x[j] * sigmoid_scalar(x[j])) * x[k + j];
+}
+#endif
+
+constexpr int64_t kPrologueRows = 8;  // rows per parallel task (a long prompt's chunk)
+
+// The prologue of rows [r0, r1): X rows of `width` values → Y rows of k.
+struct PrologueJob {
+  const float* x;
+  const float* gamma;
+  float* y;
+  int64_t rows, width, k, kind;
+  float eps;
+};
+
+void prologue_rows(const PrologueJob& job, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = job.x + r * job.width;
+    float* y = job.y + r * job.k;
+#ifdef LADE_X86
+    if (dispatch().float_avx512 && job.k % 16 == 0) {
+      if (job.kind == kPrologueRmsNorm) rms_norm_row_avx512(x, job.gamma, job.k, job.eps, y);
+      else swiglu_row_avx512(x, job.k, y);
+      continue;
+    }
+#endif
+    if (job.kind == kPrologueRmsNorm) rms_norm_row(x, job.gamma, job.k, job.eps, y);
+    else swiglu_row(x, job.k, y);
+  }
+}
+
+void run_prologue(void* data, size_t task) {
+  const PrologueJob& job = *static_cast<const PrologueJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * kPrologueRows;
+  prologue_rows(job, r0, std::min(r0 + kPrologueRows, job.rows));
+}
+
 // ---- ONNX Runtime glue -------------------------------------------------------------------
 struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -795,52 +930,82 @@ int64_t attribute_compute(const OrtKernelInfo* info) {  // absent (older graphs)
 struct MatMulKernel {
   int64_t n;
   int64_t compute;  // 0: float32, 1: int8 activations (the exact integer path)
+  int64_t prologue = kPrologueNone;  // what a row of X becomes first (row prologues, above)
+  float epsilon = 0.0f;              // the RMS norm's ε
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
     try {
       Ort::KernelContext ctx(raw);
       auto x = ctx.GetInput(0);
       const auto xs = shape_of(x);
       const Packed p = read_packed(ctx, 1, n);
-      if (xs.empty() || xs.back() != p.blocks * kBlock)
-        throw Error("X " + dims(xs) + " does not end in K = " + std::to_string(p.blocks * kBlock));
+      const int64_t k = p.blocks * kBlock, width = prologue == kPrologueSwiGlu ? 2 * k : k;
+      if (xs.empty() || xs.back() != width)
+        throw Error("X " + dims(xs) + " does not end in " + (prologue == kPrologueSwiGlu ? "2·K = " : "K = ") +
+                    std::to_string(width));
       int64_t rows = 1;
       for (size_t i = 0; i + 1 < xs.size(); ++i) rows *= xs[i];
       std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
       ys.push_back(p.n);
+      const size_t inputs = ctx.GetInputCount();
+      const bool residual = inputs > 4 && ctx.GetInput(4) != nullptr;
+      const float* gamma = nullptr;
+      if (prologue == kPrologueRmsNorm) {
+        auto g = inputs > 5 ? ctx.GetInput(5) : Ort::ConstValue{nullptr};
+        if (g == nullptr || shape_of(g) != std::vector<int64_t>{k})
+          throw Error("the RMS norm prologue needs its weight γ [" + std::to_string(k) + "] as input 5");
+        gamma = g.GetTensorData<float>();
+      }
+      if (residual && shape_of(ctx.GetInput(4)) != ys)
+        throw Error("the residual R " + dims(shape_of(ctx.GetInput(4))) + " is not Y's shape " + dims(ys));
       auto y = ctx.GetOutput(0, ys);
       float* yd = y.GetTensorMutableData<float>();
       if (rows == 0) return nullptr;
       const float* xd = x.GetTensorData<float>();
-      const int64_t k = xs.back();
-      if (compute == 1) return integer(ctx, p, xd, rows, k, yd);
-      Job job{};
-      static_cast<Packed&>(job) = p;
-      job.k = k;
-      job.rows = rows;
-      job.y = yd;
-      // Each row's inputs, scaled per element (exact: powers of two) and summed per block, in
-      // the same order for every row count.
-      const int per = 32 / job.bits;
-      std::vector<float> scaled(static_cast<size_t>(job.rows * job.k)), sums(static_cast<size_t>(job.rows * p.blocks));
-      for (int64_t r = 0; r < job.rows; ++r)
-        for (int64_t b = 0; b < p.blocks; ++b) {
-          float s = 0.0f;
-          for (int j = 0; j < kBlock; ++j) {
-            const float v = xd[r * job.k + b * kBlock + j];
-            s += v;
-            scaled[r * job.k + b * kBlock + j] = std::ldexp(v, -job.bits * (j % per));
-          }
-          sums[r * p.blocks + b] = s;
-        }
-      job.xs = scaled.data();
-      job.sums = sums.data();
-      job.chunk = 4;  // tiles (64 columns) per parallel task
-      const size_t tasks = static_cast<size_t>((job.tiles + job.chunk - 1) / job.chunk);
-      ctx.ParallelFor(run_task, tasks, 0, &job);
-      return nullptr;
+      thread_local std::vector<float> rowsbuf;  // X's rows after the prologue
+      if (prologue != kPrologueNone) {
+        rowsbuf.resize(static_cast<size_t>(rows * k));
+        PrologueJob job{xd, gamma, rowsbuf.data(), rows, width, k, prologue, epsilon};
+        if (rows <= kPrologueRows) prologue_rows(job, 0, rows);
+        else ctx.ParallelFor(run_prologue, static_cast<size_t>((rows + kPrologueRows - 1) / kPrologueRows), 0, &job);
+        xd = rowsbuf.data();
+      }
+      OrtStatusPtr status = compute == 1 ? integer(ctx, p, xd, rows, k, yd) : floating(ctx, p, xd, rows, k, yd);
+      if (status == nullptr && residual) {  // Y = R + X·W, element by element
+        const float* r = ctx.GetInput(4).GetTensorData<float>();
+        for (int64_t i = 0, total = rows * p.n; i < total; ++i) yd[i] = r[i] + yd[i];
+      }
+      return status;
     } catch (const std::exception& e) {
       return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string("MatMulBlockQ: ") + e.what()).c_str());
     }
+  }
+
+  OrtStatusPtr floating(Ort::KernelContext& ctx, const Packed& p, const float* xd, int64_t rows, int64_t k, float* yd) {
+    Job job{};
+    static_cast<Packed&>(job) = p;
+    job.k = k;
+    job.rows = rows;
+    job.y = yd;
+    // Each row's inputs, scaled per element (exact: powers of two) and summed per block, in
+    // the same order for every row count.
+    const int per = 32 / job.bits;
+    std::vector<float> scaled(static_cast<size_t>(job.rows * job.k)), sums(static_cast<size_t>(job.rows * p.blocks));
+    for (int64_t r = 0; r < job.rows; ++r)
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        float s = 0.0f;
+        for (int j = 0; j < kBlock; ++j) {
+          const float v = xd[r * job.k + b * kBlock + j];
+          s += v;
+          scaled[r * job.k + b * kBlock + j] = std::ldexp(v, -job.bits * (j % per));
+        }
+        sums[r * p.blocks + b] = s;
+      }
+    job.xs = scaled.data();
+    job.sums = sums.data();
+    job.chunk = 4;  // tiles (64 columns) per parallel task
+    const size_t tasks = static_cast<size_t>((job.tiles + job.chunk - 1) / job.chunk);
+    ctx.ParallelFor(run_task, tasks, 0, &job);
+    return nullptr;
   }
 
   OrtStatusPtr integer(Ort::KernelContext& ctx, const Packed& p, const float* xd, int64_t rows, int64_t k, float* yd) {
@@ -958,39 +1123,6 @@ struct AttnGroup {
 constexpr int kGroupRows = 8;  // most rows per group (fewer for wider heads: AttentionKernel)
 
 constexpr int64_t kKeys = 16;  // key columns per block
-
-// exp(x) for x ≤ 0 by the same operations on every path (so AVX-512 and scalar agree bit for bit):
-// n = round(x·log2 e), r = x − n·ln 2 (two parts), a degree-6 Taylor polynomial in r by FMAs, × 2^n;
-// x is clamped at −87 (2^n stays a normal float; what it gives there is ~1e-38, not 0).
-constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f, kRound = 12582912.0f;
-constexpr float kExpC[7] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720};
-
-inline float exp_scalar(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::fma(x, kLog2e, kRound) - kRound;
-  float r = std::fma(n, -kLn2Hi, x);
-  r = std::fma(n, -kLn2Lo, r);
-  float p = kExpC[6];
-  for (int i = 5; i >= 0; --i) p = std::fma(p, r, kExpC[i]);
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-#ifdef LADE_X86
-__attribute__((target("avx512f,fma"))) inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound)),
-                                 _mm512_set1_ps(kRound));
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpC[6]);
-  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
 
 // Element e of the cache's keys or values at flat index i (sequence-major), whatever the cache's type.
 inline float cache_at(const float* f, const uint16_t* h, int64_t i) { return h ? half_to_float(h[i]) : f[i]; }
@@ -1727,14 +1859,29 @@ struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+// MatMulBlockQ(X, Q, D, M[, R float, γ float]): inputs 4 (a residual added to Y) and 5 (the RMS norm's
+// weight) are optional; attributes prologue (0 none, 1 RMS norm, 2 SwiGLU; absent: 0) and epsilon.
 struct MatMulOp : Op<MatMulOp, MatMulKernel> {
   static constexpr const char* kName = "MatMulBlockQ";
-  static constexpr size_t kInputs = 4;
-  static MatMulKernel* make(const OrtKernelInfo* info) { return new MatMulKernel{attribute_n(info), attribute_compute(info)}; }
+  static constexpr size_t kInputs = 6;
+  static MatMulKernel* make(const OrtKernelInfo* info) {
+    int64_t prologue = kPrologueNone;
+    float epsilon = 0.0f;
+    if (OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_int64(info, "prologue", &prologue))
+      Ort::GetApi().ReleaseStatus(st);
+    if (OrtStatus* st = Ort::GetApi().KernelInfoGetAttribute_float(info, "epsilon", &epsilon))
+      Ort::GetApi().ReleaseStatus(st);
+    if (prologue != kPrologueNone && prologue != kPrologueRmsNorm && prologue != kPrologueSwiGlu)
+      throw Error("attribute prologue = " + std::to_string(prologue) + " is not 0 (none), 1 (RMS norm) or 2 (SwiGLU)");
+    return new MatMulKernel{attribute_n(info), attribute_compute(info), prologue, epsilon};
+  }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-           : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
-                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+           : (i == 2 || i == 3) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i < 4 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
 };
 
