@@ -50,6 +50,11 @@ def weight_kernels_model(model, rows: int = 1):
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.input[0] = f"x_{k}"
+        if node.op_type == "MatMulBlockQ":  # the product alone: no row prologue, no residual input
+            del copy.input[4:]
+            kept = [a for a in copy.attribute if a.name not in ("prologue", "epsilon")]
+            del copy.attribute[:]
+            copy.attribute.extend(kept)
         nodes.append(copy)
         widths.add(k)
     used = {i for n in nodes for i in n.input}

@@ -7,6 +7,7 @@ the registry with a pinned checksum, and bad input gets one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -389,20 +390,26 @@ def _all_outputs(artifact, feeds_list):
     return [{n: (v.shape, v.dtype, v.tobytes()) for n, v in zip(names, session.run(names, feeds))} for feeds in feeds_list]
 
 
-def test_rotary_attention_rows_computes_the_bits_of_the_nodes_it_replaces(stories_lade, stories_lade_unfused):
+@pytest.mark.parametrize("which", ["stories", "tiny"])
+def test_rotary_attention_rows_computes_the_bits_of_the_nodes_it_replaces(request, which):
     """The fused graph (one RotaryAttentionRows per layer) against the same build without the fusion
     (the rotary embedding, the float16 rounding of this step's keys and values, the head reshapes
     and transposes as nodes around AttentionRowsHalfCache): logits, next ids and every present key
     and value the same bits, for one-token and many-token steps over empty, short and block-crossing
-    caches, with causal masks and with rows that see scattered cache columns (a packed pass)."""
+    caches, with causal masks and with rows that see scattered cache columns (a packed pass) — on
+    stories260K (head width 8: the scalar code) and a tiny model of head width 64 (16 lanes at a
+    time on AVX-512 CPUs; the forced-path tests compare that with the scalar code)."""
     from lade_export.feeds import example_feeds
 
-    unfused = onnx_ops(stories_lade_unfused)
-    assert unfused.count("AttentionRowsHalfCache") == 5 and "RotaryAttentionRows" not in unfused
-    assert unfused.count("Transpose") >= 15 and unfused.count("Cast") >= 20  # what the fusion removes
-    fused = onnx_ops(stories_lade)
-    assert len(fused) < len(unfused) - 5 * 25
-    dims = lade_export.load(stories_lade).artifact.dims
+    fused_art = request.getfixturevalue(f"{which}_lade")
+    unfused_art = request.getfixturevalue(f"{which}_lade_unfused")
+    layers = lade_export.load(fused_art).artifact.dims.num_layers
+    unfused = onnx_ops(unfused_art)
+    assert unfused.count("AttentionRowsHalfCache") == layers and "RotaryAttentionRows" not in unfused
+    assert unfused.count("Transpose") >= 3 * layers and unfused.count("Cast") >= 4 * layers  # what the fusion removes
+    fused = onnx_ops(fused_art)
+    assert fused.count("RotaryAttentionRows") == layers and len(fused) < len(unfused) - layers * 25
+    dims = lade_export.load(fused_art).artifact.dims
     rng = np.random.default_rng(3)
     cases = []
     for step, past in ((1, 0), (1, 37), (4, 0), (7, 16), (16, 33), (2, 100)):
@@ -413,7 +420,7 @@ def test_rotary_attention_rows_computes_the_bits_of_the_nodes_it_replaces(storie
             mask[..., :past] = rng.random((step, past)) < 0.6
             mask[0, 0, np.arange(step), past + np.arange(step)] = True
             cases.append({**feeds, "attention_mask": mask})
-    got, want = _all_outputs(stories_lade, cases), _all_outputs(stories_lade_unfused, cases)
+    got, want = _all_outputs(fused_art, cases), _all_outputs(unfused_art, cases)
     assert len(got) == len(cases) == 9
     for case, a, b in zip(cases, got, want):
         assert a.keys() == b.keys() and any(n.startswith("present.") for n in a)
@@ -740,18 +747,34 @@ print(json.dumps({"path": running_path(model.artifact.custom_ops_path, "int8"), 
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_lade(tmp_path_factory):
+def _tiny_lade(root, fuse_rotary: bool = True):
+    """A tiny random LLaMA with SmolLM2's head width (64: the rotary embedding's 16-lane code), two
+    query heads on one KV head and a 128-wide MLP (its down projection on the kernels, with the
+    SwiGLU folded in), built with --kernels lade."""
+    from unittest import mock
+
     from lade_export.export.build import build_artifact
 
     from .conftest import tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tiny-lade")
-    ckpt = tiny_checkpoint(root / "ckpt", seed=7)
+    ckpt = tiny_checkpoint(root / "ckpt", seed=7, hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                           num_key_value_heads=1)
     out = root / "art"
-    build_artifact(str(ckpt), [resolve_profile("default-int4")], out,
-                   quantization=QuantSpec.for_precision("int4", kernels="lade"))
+    with contextlib.nullcontext() if fuse_rotary else mock.patch("lade_export.export.quantize.fuse_rotary_attention",
+                                                                  return_value=0):
+        build_artifact(str(ckpt), [resolve_profile("default-int4")], out,
+                       quantization=QuantSpec.for_precision("int4", kernels="lade"))
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_lade(tmp_path_factory):
+    return _tiny_lade(tmp_path_factory.mktemp("tiny-lade"))
+
+
+@pytest.fixture(scope="module")
+def tiny_lade_unfused(tmp_path_factory):
+    return _tiny_lade(tmp_path_factory.mktemp("tiny-lade-unfused"), fuse_rotary=False)
 
 
 @pytest.fixture(scope="module")

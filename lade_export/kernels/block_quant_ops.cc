@@ -927,6 +927,31 @@ int64_t attribute_compute(const OrtKernelInfo* info) {  // absent (older graphs)
   return value;
 }
 
+// Rounding the rows of X to int8 blocks (quantize_row), kQuantizeRows rows per parallel task.
+constexpr int64_t kQuantizeRows = 4;
+struct QuantizeJob {
+  void (*quantize)(const float*, int64_t, int, int8_t*, float*, float*, int32_t*);
+  const float* x;
+  int64_t k;
+  int bits;
+  int64_t blocks, rows;
+  int8_t* qa;
+  float *dx, *sx;
+  int32_t* qsum;
+};
+
+void quantize_rows(const QuantizeJob& j, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    j.quantize(j.x + r * j.k, j.k, j.bits, j.qa + r * j.k, j.dx + r * j.blocks, j.sx + r * j.blocks,
+               j.qsum + r * j.blocks);
+}
+
+void run_quantize(void* data, size_t task) {
+  const QuantizeJob& j = *static_cast<const QuantizeJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * kQuantizeRows;
+  quantize_rows(j, r0, std::min(r0 + kQuantizeRows, j.rows));
+}
+
 struct MatMulKernel {
   int64_t n;
   int64_t compute;  // 0: float32, 1: int8 activations (the exact integer path)
@@ -1027,9 +1052,9 @@ struct MatMulKernel {
 #ifdef LADE_X86
     if (job.path == kAvx512Vnni || job.path == kAmx) quantize = quantize_row_avx512;
 #endif
-    for (int64_t r = 0; r < rows; ++r)
-      quantize(xd + r * k, k, p.bits, qa.data() + r * k, dx.data() + r * p.blocks, sx.data() + r * p.blocks,
-               qsum.data() + r * p.blocks);
+    QuantizeJob rounding{quantize, xd, k, p.bits, p.blocks, rows, qa.data(), dx.data(), sx.data(), qsum.data()};
+    if (rows <= kQuantizeRows) quantize_rows(rounding, 0, rows);  // each row alone: any split, the same bits
+    else ctx.ParallelFor(run_quantize, static_cast<size_t>((rows + kQuantizeRows - 1) / kQuantizeRows), 0, &rounding);
     job.qa = qa.data();
     job.dx = dx.data();
     job.sx = sx.data();
@@ -1753,18 +1778,107 @@ struct AttentionKernel {
 // h / (H/KV) — so its outputs are that subgraph's bits, and a row's bits still depend on its own
 // row, its keys and its mask alone. It saves the ~30 small nodes per layer that ONNX Runtime would
 // dispatch one by one (reshapes, transposes, casts, the rotary embedding's slices and products).
+// One step row of RotaryAttentionRows before its attention: the rotary embedding of its query heads
+// into Q [B, KV, G·S, D], of its key heads, rounded to float16, into the present key and (widened) into
+// K [B, KV, D, S], its values rounded alike into the present value and V [B, KV, S, D].
+struct RotaryJob {
+  const float *x, *cos, *sin;
+  uint16_t *hk, *hv;
+  float *q, *k, *v;
+  int64_t b, s, h, kv, d, width;
+};
+
+inline void rotate_scalar(const float* x, const float* c, const float* sn, int64_t d, float* y) {
+  const int64_t half = d / 2;
+  for (int64_t e = 0; e < d; ++e) {
+    const float turned = e < half ? -x[e + half] : x[e - half];
+    const float a = x[e] * c[e], b = turned * sn[e];
+    y[e] = a + b;
+  }
+}
+
+void rotary_row_scalar(const RotaryJob& j, int64_t at) {
+  const int64_t bi = at / j.s, t = at % j.s, g = j.h / j.kv, rows = g * j.s, d = j.d;
+  const float *row = j.x + at * j.width, *c = j.cos + at * d, *sn = j.sin + at * d;
+  for (int64_t head = 0; head < j.h; ++head)
+    rotate_scalar(row + head * d, c, sn, d, j.q + ((bi * j.kv + head / g) * rows + (head % g) * j.s + t) * d);
+  float turned[512];
+  for (int64_t i = 0; i < j.kv; ++i) {
+    rotate_scalar(row + (j.h + i) * d, c, sn, d, turned);
+    const float* value = row + (j.h + j.kv + i) * d;
+    uint16_t *key16 = j.hk + (at * j.kv + i) * d, *value16 = j.hv + (at * j.kv + i) * d;
+    for (int64_t e = 0; e < d; ++e) {
+      key16[e] = float_to_half(turned[e]);
+      value16[e] = float_to_half(value[e]);
+      j.k[((bi * j.kv + i) * d + e) * j.s + t] = half_to_float(key16[e]);
+      j.v[((bi * j.kv + i) * j.s + t) * d + e] = half_to_float(value16[e]);
+    }
+  }
+}
+
+#ifdef LADE_X86
+// The same operations 16 lanes at a time (D a multiple of 32): the products and the sum each rounded,
+// the negation exact, float16 conversions rounded to nearest even (F16C) as float_to_half does.
+__attribute__((target("avx512f,avx512dq,f16c"))) inline void rotate512(const float* x, const float* c, const float* sn,
+                                                               int64_t d, float* y) {
+  const int64_t half = d / 2;
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int64_t e = 0; e < d; e += 16) {
+    const __m512 turned = e < half ? _mm512_xor_ps(_mm512_loadu_ps(x + e + half), sign) : _mm512_loadu_ps(x + e - half);
+    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + e), _mm512_loadu_ps(c + e));
+    const __m512 b = _mm512_mul_ps(turned, _mm512_loadu_ps(sn + e));
+    _mm512_storeu_ps(y + e, _mm512_add_ps(a, b));
+  }
+}
+
+__attribute__((target("avx512f,avx512dq,f16c"))) void rotary_row_avx512(const RotaryJob& j, int64_t at) {
+  const int64_t bi = at / j.s, t = at % j.s, g = j.h / j.kv, rows = g * j.s, d = j.d;
+  const float *row = j.x + at * j.width, *c = j.cos + at * d, *sn = j.sin + at * d;
+  for (int64_t head = 0; head < j.h; ++head)
+    rotate512(row + head * d, c, sn, d, j.q + ((bi * j.kv + head / g) * rows + (head % g) * j.s + t) * d);
+  alignas(64) float turned[512];
+  for (int64_t i = 0; i < j.kv; ++i) {
+    rotate512(row + (j.h + i) * d, c, sn, d, turned);
+    const float* value = row + (j.h + j.kv + i) * d;
+    uint16_t *key16 = j.hk + (at * j.kv + i) * d, *value16 = j.hv + (at * j.kv + i) * d;
+    float* vrow = j.v + ((bi * j.kv + i) * j.s + t) * d;
+    alignas(64) float wide[512];
+    for (int64_t e = 0; e < d; e += 16) {
+      const __m256i kh = _mm512_cvtps_ph(_mm512_loadu_ps(turned + e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i vh = _mm512_cvtps_ph(_mm512_loadu_ps(value + e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(key16 + e), kh);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(value16 + e), vh);
+      _mm512_storeu_ps(wide + e, _mm512_cvtph_ps(kh));
+      _mm512_storeu_ps(vrow + e, _mm512_cvtph_ps(vh));
+    }
+    for (int64_t e = 0; e < d; ++e) j.k[((bi * j.kv + i) * d + e) * j.s + t] = wide[e];
+  }
+}
+#endif
+
+constexpr int64_t kRotaryRows = 4;  // step rows per parallel task (a prompt chunk)
+
+void rotary_rows(const RotaryJob& j, int64_t r0, int64_t r1) {
+  for (int64_t at = r0; at < r1; ++at) {
+#ifdef LADE_X86
+    if (dispatch().float_avx512 && j.d % 32 == 0 && j.d <= 512) {
+      rotary_row_avx512(j, at);
+      continue;
+    }
+#endif
+    rotary_row_scalar(j, at);
+  }
+}
+
+void run_rotary(void* data, size_t task) {
+  const RotaryJob& j = *static_cast<const RotaryJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * kRotaryRows;
+  rotary_rows(j, r0, std::min(r0 + kRotaryRows, j.b * j.s));
+}
+
 struct RotaryAttentionKernel {
   float scale;
   int64_t heads, kv_heads;
-
-  static void rotate(const float* x, const float* c, const float* sn, int64_t d, float* y) {
-    const int64_t half = d / 2;
-    for (int64_t e = 0; e < d; ++e) {
-      const float turned = e < half ? -x[e + half] : x[e - half];
-      const float a = x[e] * c[e], b = turned * sn[e];
-      y[e] = a + b;
-    }
-  }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
     try {
@@ -1778,42 +1892,26 @@ struct RotaryAttentionKernel {
                     "masked [B, 1, 1, S, P+S]");
       const int64_t b = xs[0], s = xs[1], h = heads, kv = kv_heads, width = xs[2];
       const int64_t d = (h + 2 * kv) > 0 ? width / (h + 2 * kv) : 0, p = pks[1], g = kv ? h / kv : 0;
-      if (d == 0 || d % 2 || d * (h + 2 * kv) != width || cs != std::vector<int64_t>{b, s, 1, d} || ss != cs ||
-          pks != std::vector<int64_t>{b, p, kv, d} || pvs != pks || ms != std::vector<int64_t>{b, 1, 1, s, p + s} ||
-          s == 0)
+      if (d == 0 || d % 2 || d > 512 || d * (h + 2 * kv) != width || cs != std::vector<int64_t>{b, s, 1, d} ||
+          ss != cs || pks != std::vector<int64_t>{b, p, kv, d} || pvs != pks ||
+          ms != std::vector<int64_t>{b, 1, 1, s, p + s} || s == 0)
         throw Error("QKV " + dims(xs) + ", cos " + dims(cs) + ", sin " + dims(ss) + ", PK " + dims(pks) + ", PV " +
                     dims(pvs) + " and masked " + dims(ms) + " do not fit heads = " + std::to_string(h) +
                     ", kv_heads = " + std::to_string(kv));
       auto out = ctx.GetOutput(0, {b, s, h * d});
       auto present_k = ctx.GetOutput(1, {b, s, kv, d}), present_v = ctx.GetOutput(2, {b, s, kv, d});
-      const float *x = qkv.GetTensorData<float>(), *cf = cos.GetTensorData<float>(), *sf = sin.GetTensorData<float>();
-      uint16_t* hk = static_cast<uint16_t*>(present_k.GetTensorMutableRawData());
-      uint16_t* hv = static_cast<uint16_t*>(present_v.GetTensorMutableRawData());
       const int64_t rows = g * s;  // rows of a KV group: query head g' of step row t at g'·S + t
-      thread_local std::vector<float> qb, kb, vb, ob, turned;
+      thread_local std::vector<float> qb, kb, vb, ob;
       qb.resize(static_cast<size_t>(b * kv * rows * d));
       kb.resize(static_cast<size_t>(b * kv * d * s));
       vb.resize(static_cast<size_t>(b * kv * s * d));
       ob.resize(static_cast<size_t>(b * kv * rows * d));
-      turned.resize(static_cast<size_t>(d));
-      for (int64_t bi = 0; bi < b; ++bi)
-        for (int64_t t = 0; t < s; ++t) {
-          const int64_t at = bi * s + t;
-          const float *row = x + at * width, *c = cf + at * d, *sn = sf + at * d;
-          for (int64_t head = 0; head < h; ++head)  // Q [B, KV, G·S, D]
-            rotate(row + head * d, c, sn, d, qb.data() + ((bi * kv + head / g) * rows + (head % g) * s + t) * d);
-          for (int64_t j = 0; j < kv; ++j) {
-            rotate(row + (h + j) * d, c, sn, d, turned.data());
-            const float* value = row + (h + kv + j) * d;
-            uint16_t *key16 = hk + (at * kv + j) * d, *value16 = hv + (at * kv + j) * d;
-            for (int64_t e = 0; e < d; ++e) {
-              key16[e] = float_to_half(turned[e]);
-              value16[e] = float_to_half(value[e]);
-              kb[((bi * kv + j) * d + e) * s + t] = half_to_float(key16[e]);  // K [B, KV, D, S]
-              vb[((bi * kv + j) * s + t) * d + e] = half_to_float(value16[e]);  // V [B, KV, S, D]
-            }
-          }
-        }
+      RotaryJob job{qkv.GetTensorData<float>(), cos.GetTensorData<float>(), sin.GetTensorData<float>(),
+                    static_cast<uint16_t*>(present_k.GetTensorMutableRawData()),
+                    static_cast<uint16_t*>(present_v.GetTensorMutableRawData()), qb.data(), kb.data(), vb.data(),
+                    b, s, h, kv, d, width};
+      if (b * s <= kRotaryRows) rotary_rows(job, 0, b * s);  // every row alone: any split, the same bits
+      else ctx.ParallelFor(run_rotary, static_cast<size_t>((b * s + kRotaryRows - 1) / kRotaryRows), 0, &job);
       attention_rows(ctx, qb.data(), nullptr, kb.data(), nullptr, vb.data(), masked.GetTensorData<bool>(),
                      static_cast<const uint16_t*>(pk.GetTensorRawData()),
                      static_cast<const uint16_t*>(pv.GetTensorRawData()), ob.data(), b, kv, rows, d, p, s, scale, true);
