@@ -1309,7 +1309,8 @@ LADE_ATTN512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_m
 LADE_ATTN512 inline __m512 load16(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 
 template <typename T>
-LADE_ATTN512 inline void transpose16(const T* keys, int64_t stride, int64_t width, __m512* t) {
+LADE_ATTN512 __attribute__((always_inline)) inline void transpose16(const T* keys, int64_t stride, int64_t width,
+                                                                   __m512* t) {
   __m512 r[16];
   for (int64_t c = 0; c < kKeys; ++c) r[c] = c < width ? load16(keys + c * stride) : _mm512_setzero_ps();
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
@@ -1376,6 +1377,47 @@ LADE_ATTN512 void group_scores(const float* const* q, const float* const* cols, 
       _mm512_mask_storeu_ps(dst[b][r], lanes[b], _mm512_mul_ps(acc[b][r], _mm512_set1_ps(scale)));
 }
 
+// Key j's value row v added to the N rows' accumulators: fma(w[r][j], v, acc) where row r sees key j.
+template <int DV, int N>
+LADE_ATTN512 __attribute__((always_inline)) inline void value_step(__m512 (&acc)[N][DV], const __m512 (&v)[DV],
+                                                                   const bool* const* masked, const float* const* w,
+                                                                   int64_t j) {
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) {
+    const __mmask16 sees = masked[r][j] ? 0 : 0xffff;
+    const __m512 weight = _mm512_set1_ps(w[r][j]);
+#pragma GCC unroll 8
+    for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_mask3_fmadd_ps(weight, v[x], acc[r][x], sees);
+  }
+}
+
+// Keys [j0, j1) whose value rows start at `value`, `stride` elements apart, added to acc in key order. The
+// accumulators are copied into locals that nothing outside this loop sees, so that they live in registers
+// (the compiler kept the caller's array on the stack, storing it at every key).
+template <int DV, int N, typename T>
+LADE_ATTN512 __attribute__((always_inline)) inline void value_run(__m512 (&acc)[N][DV], const T* value, int64_t stride,
+                                                                  int64_t j0, int64_t j1, const bool* const* masked,
+                                                                  const float* const* w, const __mmask16* vmask) {
+  __m512 a[N][DV];
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < DV; ++x) a[r][x] = acc[r][x];
+  __mmask16 lanes[DV];
+#pragma GCC unroll 8
+  for (int x = 0; x < DV; ++x) lanes[x] = vmask[x];
+  for (int64_t j = j0; j < j1; ++j, value += stride) {
+    __m512 v[DV];
+#pragma GCC unroll 8
+    for (int x = 0; x < DV; ++x) v[x] = load16(value + 16 * x, lanes[x]);
+    value_step<DV, N>(a, v, masked, w, j);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < DV; ++x) acc[r][x] = a[r][x];
+}
+
 // out[r] = Σ_j fma(w[r][j], value_j, ·) over the keys of the seen blocks, in order, for N rows whose
 // D elements fill DV vectors (vmask: the lanes of each).
 template <int DV, int N>
@@ -1394,22 +1436,17 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
       if (job.pv16) prefetch_rows(job.pv16 + next, kv * d, n1, 2 * d);
       else prefetch_rows(job.pv + next, kv * d, n1, 4 * d);
     }
-    for (int64_t j = j0; j < end; ++j) {
-      __m512 v[DV];
-      if (!part && job.pv16) {  // the float16 cache, sequence-major
-        const uint16_t* value = job.pv16 + ((bi * p + j) * kv + h) * d;
-        for (int x = 0; x < DV; ++x) v[x] = load16(value + 16 * x, vmask[x]);
-      } else {
-        const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
-                                                   : job.pv + ((bi * kv + h) * p + j) * d)
-                                   : job.v + ((bi * kv + h) * s + j - p) * d;
-        for (int x = 0; x < DV; ++x) v[x] = _mm512_maskz_loadu_ps(vmask[x], value + 16 * x);
-      }
-      for (int r = 0; r < N; ++r) {
-        const __mmask16 sees = masked[r][j] ? 0 : 0xffff;
-        const __m512 weight = _mm512_set1_ps(w[r][j]);
-        for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_mask3_fmadd_ps(weight, v[x], acc[r][x], sees);
-      }
+    // One loop per kind of value row, every (row, element) loop unrolled, so that the accumulators stay in
+    // registers (as one loop with the kind tested per key, they were stored to the stack at every key).
+    if (!part && job.pv16) {  // the float16 cache, sequence-major
+      const uint16_t* value = job.pv16 + ((bi * p + j0) * kv + h) * d;
+      value_run<DV, N>(acc, value, kv * d, j0, end, masked, w, vmask);
+    } else {
+      const int64_t stride = !part && job.in_place ? kv * d : d;
+      const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j0) * kv + h) * d
+                                                 : job.pv + ((bi * kv + h) * p + j0) * d)
+                                 : job.v + ((bi * kv + h) * s + j0 - p) * d;
+      value_run<DV, N>(acc, value, stride, j0, end, masked, w, vmask);
     }
   }
   for (int r = 0; r < N; ++r)
@@ -1450,9 +1487,10 @@ LADE_ATTN512 inline __mmask16 visible_keys(const bool* m, __mmask16 lanes) {
 // softmax_row for the n rows of a group, with its results: top = the largest visible score (here a
 // running maximum per lane, then over the lanes: the maximum of the same non-NaN values, NaN scores
 // ignored as std::max ignores them; only the sign of a zero top can differ, and exp(score − top)
-// does not see it, exp(±0) being 1 on every path); exp(score − top) for every key of a seen block
-// (the same calls); the sum of the visible ones in key order, each row its own chain (a masked key
-// adds +0, which leaves a sum of exps — never −0 — unchanged). sums[r]: row r's sum.
+// does not see it, exp(±0) being 1 on every path); exp(score − top) for every visible key of a seen
+// block (the same calls), +0 stored for the others; the sum of the visible ones in key order, each row
+// its own chain, adding every key of the seen blocks (a masked key's +0 leaves a sum of exps — never
+// −0 — unchanged, so the sum is softmax_row's). sums[r]: row r's sum.
 LADE_ATTN512 void group_softmax(const AttnJob& job, const int64_t* blocks, int64_t nblocks, const bool* const* masked,
                                 float* const* scores, int n, float* sums) {
   const int64_t p = job.p, s = job.s;
@@ -1466,26 +1504,31 @@ LADE_ATTN512 void group_softmax(const AttnJob& job, const int64_t* blocks, int64
       top = _mm512_mask_max_ps(top, sees, _mm512_maskz_loadu_ps(lanes, scores[r] + j0), top);
     }
     const float most = _mm512_reduce_max_ps(top);
-    for (int64_t at = 0; at < nblocks; ++at) {
+    for (int64_t at = 0; at < nblocks; ++at) {  // a key the row does not see keeps +0 (what the sum adds for it)
       int64_t j0;
       __mmask16 lanes;
       seen_block(job, blocks[at], j0, lanes);
       if (lanes == 0xffff) {
-        _mm512_storeu_ps(scores[r] + j0, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores[r] + j0), _mm512_set1_ps(most))));
+        const __mmask16 sees = visible_keys(masked[r] + j0, lanes);
+        _mm512_storeu_ps(scores[r] + j0, _mm512_maskz_mov_ps(sees, exp_avx512(_mm512_sub_ps(
+                                                                      _mm512_loadu_ps(scores[r] + j0), _mm512_set1_ps(most)))));
       } else {
-        for (int64_t j = j0; j < j0 + __builtin_popcount(lanes); ++j) scores[r][j] = exp_scalar(scores[r][j] - most);
+        for (int64_t j = j0; j < j0 + __builtin_popcount(lanes); ++j)
+          scores[r][j] = masked[r][j] ? 0.0f : exp_scalar(scores[r][j] - most);
       }
     }
   }
   float acc[kGroupRows];
   for (int r = 0; r < n; ++r) acc[r] = 0.0f;
-  for (int64_t at = 0; at < nblocks; ++at) {
+  for (int64_t at = 0; at < nblocks; ++at) {  // each row's sum in key order (+0 for the keys it does not see)
     int64_t j0;
     __mmask16 lanes;
     seen_block(job, blocks[at], j0, lanes);
     const int64_t width = __builtin_popcount(lanes);
     for (int64_t j = j0; j < j0 + width; ++j)
-      for (int r = 0; r < n; ++r) acc[r] += masked[r][j] ? 0.0f : scores[r][j];
+#pragma GCC unroll 8
+      for (int r = 0; r < kGroupRows; ++r)
+        if (r < n) acc[r] += scores[r][j];
   }
   for (int r = 0; r < n; ++r) sums[r] = acc[r];
 }
@@ -1532,8 +1575,8 @@ LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, st
                    LADE_DIRECT(7) LADE_DIRECT(8) }
 #undef LADE_DIRECT
     }
-  // scores: two blocks at a time for groups of up to 4 rows (more chains in flight), else one
-  const int pair = n <= 4 ? 2 : 1;
+  // scores: two blocks at a time (2·n independent FMA chains: one block's n chains wait on their latency)
+  const int pair = 2;
   for (; at < nblocks; at += pair) {
     const int nb = static_cast<int>(std::min<int64_t>(pair, nblocks - at));
     const float* cols[2];
@@ -1597,7 +1640,7 @@ constexpr int64_t kTileTasks = 8;
 
 template <bool WIDE>
 #ifdef LADE_X86
-__attribute__((target("avx512f")))
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #endif
 void tiles_of(const AttnJob& job, int64_t task) {
   const int64_t chunks = (job.nb_p + kTileTasks - 1) / kTileTasks, d = job.d, kv = job.kv;
