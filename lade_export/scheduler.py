@@ -96,7 +96,7 @@ from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
 from .sampling import GreedyRule, SamplingParams
 from .width_policy import WIDTHS, Option, make_policy, narrowed, width_caps
 
-#: Default rows of a pass that holds decode steps (4 requests' 11-token int4 lookahead steps fit).
+#: Default rows of a pass that holds decode steps (4 requests' 11-token lookahead steps fit).
 TOKEN_BUDGET = 64
 #: Default prompt tokens a pass without decode steps may prefill.
 PREFILL_CHUNK = 512
