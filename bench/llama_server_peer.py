@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 
 #: llama-server's default binary (bench/build_llama_cpp.sh's output folder).
-DEFAULT_BIN = Path(os.environ.get("LADE_LLAMA_CPP", Path.home() / ".cache/lade-export/llama.cpp")) / "bin"
+# $LADE_LLAMA_CPP names the folder of the binaries, as for `lade-export compare --peer llama.cpp-*`
+# (bench/build_llama_cpp.sh prints it: PREFIX/bin)
+DEFAULT_BIN = Path(os.environ.get("LADE_LLAMA_CPP") or Path.home() / ".cache/lade-export/llama.cpp/bin")
 
 
 def free_port() -> int:
