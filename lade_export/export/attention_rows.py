@@ -210,121 +210,74 @@ def fuse_rotary_attention(graph) -> int:
     Returns:
         the number of layers fused.
     """
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     from ..kernels import DOMAIN
+    from .graph_match import GraphIndex, NoMatch, replace_nodes
 
-    producers = {o: n for n in graph.node for o in n.output}
-    readers = {}
-    for n in graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    inits = {i.name: i for i in graph.initializer}
-    outputs = {o.name for o in graph.output}
-
-    def const(name):
-        if name in inits:
-            return numpy_helper.to_array(inits[name])
-        node = producers.get(name)
-        if node is not None and node.op_type == "Constant":
-            return next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
-        return None
-
-    def attr(node, name, default=None):
-        a = next((a for a in node.attribute if a.name == name), None)
-        if a is None:
-            return default
-        return helper.get_attribute_value(a)
-
-    def sole(name, op):
-        """The producer of ``name`` if it is an ``op`` and ``name`` has no other reader (nor is a graph output)."""
-        node = producers.get(name)
-        if node is None or node.op_type != op or len(readers.get(name, [])) != 1 or name in outputs:
-            raise LookupError(name)
-        return node
-
-    def reader(name, op):
-        """The one reader of ``name``, an ``op`` (``name`` not a graph output)."""
-        found = readers.get(name, [])
-        if len(found) != 1 or found[0].op_type != op or name in outputs:
-            raise LookupError(name)
-        return found[0]
+    g = GraphIndex(graph)
 
     def transpose(name, perm):
-        node = sole(name, "Transpose")
-        if list(attr(node, "perm", [])) != perm:
-            raise LookupError(name)
+        node = g.sole(name, "Transpose")
+        if list(g.attr(node, "perm", [])) != perm:
+            raise NoMatch(name)
         return node
 
     def cast(name, to, may_be_output=False):
-        node = producers.get(name)
-        if node is None or node.op_type != "Cast" or attr(node, "to") != to:
-            raise LookupError(name)
-        if not may_be_output and (len(readers.get(name, [])) != 1 or name in outputs):
-            raise LookupError(name)
+        node = g.produced_by(name, "Cast")
+        if g.attr(node, "to") != to or (not may_be_output and (len(g.readers.get(name, [])) != 1 or name in g.outputs)):
+            raise NoMatch(name)
         return node
 
     def slice_of(name, x, start, end_at_least):
-        node = sole(name, "Slice")
-        starts, ends = const(node.input[1]), const(node.input[2])
-        axes = const(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-        steps = const(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+        node = g.sole(name, "Slice")
+        starts, ends = g.const(node.input[1]), g.const(node.input[2])
+        axes = g.const(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        steps = g.const(node.input[4]) if len(node.input) > 4 and node.input[4] else None
         if (node.input[0] != x or starts is None or ends is None or axes is None or starts.size != 1
                 or int(starts.ravel()[0]) != start or int(ends.ravel()[0]) < end_at_least
                 or int(axes.ravel()[0]) not in (3, -1) or (steps is not None and int(steps.ravel()[0]) != 1)):
-            raise LookupError(name)
+            raise NoMatch(name)
         return node
 
     def rotary(name):
         """``x·cos + rotate_half(x)·sin``, x a Reshape's output → (that Reshape, cos, sin, D/2, the nodes)."""
-        add = producers.get(name)
-        if add is None or add.op_type != "Add":
-            raise LookupError(name)
-        muls = [producers.get(i) for i in add.input]
-        if any(m is None or m.op_type != "Mul" for m in muls):
-            raise LookupError(name)
-        turned = next((m for m in muls if any(producers.get(i) is not None and producers[i].op_type == "Concat"
-                                              for i in m.input)), None)
-        plain = next((m for m in muls if m is not turned), None)
-        if turned is None or plain is None:
-            raise LookupError(name)
-        concat = next(producers[i] for i in turned.input if producers.get(i) is not None
-                      and producers[i].op_type == "Concat")
-        sin = next(i for i in turned.input if i != concat.output[0])
-        if attr(concat, "axis") not in (3, -1) or len(concat.input) != 2 or len(readers[concat.output[0]]) != 1:
-            raise LookupError(name)
-        neg = sole(concat.input[0], "Neg")
-        low = producers.get(concat.input[1])
-        high = producers.get(neg.input[0])
-        if low is None or high is None or low.op_type != "Slice" or high.op_type != "Slice":
-            raise LookupError(name)
+        add = g.produced_by(name, "Add")
+        muls = [g.produced_by(i, "Mul") for i in add.input]
+        concats = [i for m in muls for i in m.input if g.producers.get(i) is not None
+                   and g.producers[i].op_type == "Concat"]
+        if len(muls) != 2 or len(concats) != 1:
+            raise NoMatch(name)
+        concat = g.producers[concats[0]]
+        turned = next(m for m in muls if concat.output[0] in m.input)
+        plain = next(m for m in muls if m is not turned)
+        sin = g.other_input(turned, concat.output[0])
+        if g.attr(concat, "axis") not in (3, -1) or len(concat.input) != 2 or len(g.readers[concat.output[0]]) != 1:
+            raise NoMatch(name)
+        neg = g.sole(concat.input[0], "Neg")
+        low, high = g.produced_by(concat.input[1], "Slice"), g.produced_by(neg.input[0], "Slice")
         x = low.input[0]
-        half_start = const(high.input[1])
-        if half_start is None:
-            raise LookupError(name)
-        half = int(half_start.ravel()[0])
+        half = g.scalar(high.input[1])
+        if half is None or g.scalar(low.input[2]) != half:
+            raise NoMatch(name)
+        half = int(half)
         slice_of(high.output[0], x, half, 2 * half)
         slice_of(low.output[0], x, 0, half)
-        if int(const(low.input[2]).ravel()[0]) != half or x not in plain.input:
-            raise LookupError(name)
-        cos = next(i for i in plain.input if i != x)
-        for m in muls:
-            if len(readers[m.output[0]]) != 1:
-                raise LookupError(name)
-        view = producers.get(x)
-        if (view is None or view.op_type != "Reshape" or x in outputs or name in outputs
-                or {id(r) for r in readers[x]} != {id(plain), id(high), id(low)} or len(readers[name]) != 1):
-            raise LookupError(name)
+        cos = g.other_input(plain, x)
+        view = g.produced_by(x, "Reshape")
+        if (any(len(g.readers[m.output[0]]) != 1 for m in muls) or x in g.outputs or name in g.outputs
+                or {id(r) for r in g.readers[x]} != {id(plain), id(high), id(low)} or len(g.readers[name]) != 1):
+            raise NoMatch(name)
         return view, cos, sin, half, [add, *muls, concat, neg, high, low]
 
     fused, drop, insert = 0, set(), {}
     for attention in [n for n in graph.node if n.op_type == HALF_CACHE_OP]:
         try:
-            if not any(a.name == "past_layout" and a.i == 1 for a in attention.attribute):
-                raise LookupError(attention.name)
+            if g.attr(attention, "past_layout", 0) != 1:
+                raise NoMatch(attention.name)
             q, cache_k, k, cache_v, v, masked = attention.input
             # Q [B, KV, G·S, D] = Reshape(Transpose(rotary(Reshape(q_flat))))
-            q_view = sole(q, "Reshape")
+            q_view = g.sole(q, "Reshape")
             q_heads = transpose(q_view.input[0], [0, 2, 1, 3])
             q_split, cos, sin, half, q_rotary = rotary(q_heads.input[0])
             # K [B, KV, D, S] = Transpose(Cast32(Cast16(rotary(Reshape(k_flat))))), the Cast16 the present key
@@ -336,33 +289,32 @@ def fuse_rotary_attention(graph) -> int:
             v_heads = transpose(v, [0, 2, 1, 3])
             v_wide = cast(v_heads.input[0], TensorProto.FLOAT)
             v_half = cast(v_wide.input[0], TensorProto.FLOAT16, may_be_output=True)
-            v_split = sole(v_half.input[0], "Reshape")
+            v_split = g.sole(v_half.input[0], "Reshape")
             present_k, present_v = k_half.output[0], v_half.output[0]
-            if ((k_cos, k_sin, k_half_width) != (cos, sin, half) or present_k not in outputs or present_v not in outputs
-                    or {r.name for r in readers[present_k]} != {k_wide.name}
-                    or {r.name for r in readers[present_v]} != {v_wide.name}):
-                raise LookupError(attention.name)
-            split = producers.get(q_split.input[0])
-            if (split is None or split.op_type != "Split" or list(split.output) !=
-                    [q_split.input[0], k_split.input[0], v_split.input[0]]
-                    or any(len(readers[o]) != 1 for o in split.output) or attr(split, "axis", 0) not in (2, -1)):
-                raise LookupError(attention.name)
-            sizes = const(split.input[1]) if len(split.input) > 1 else None
+            if ((k_cos, k_sin, k_half_width) != (cos, sin, half) or not {present_k, present_v} <= g.outputs
+                    or [id(r) for r in g.readers[present_k]] != [id(k_wide)]
+                    or [id(r) for r in g.readers[present_v]] != [id(v_wide)]):
+                raise NoMatch(attention.name)
+            split = g.produced_by(q_split.input[0], "Split")
+            if (list(split.output) != [q_split.input[0], k_split.input[0], v_split.input[0]]
+                    or any(len(g.readers[o]) != 1 for o in split.output) or g.attr(split, "axis", 0) not in (2, -1)):
+                raise NoMatch(attention.name)
+            sizes = g.const(split.input[1]) if len(split.input) > 1 else None
             d = 2 * half
             if sizes is None or sizes.size != 3 or any(int(z) % d for z in sizes) or sizes[1] != sizes[2]:
-                raise LookupError(attention.name)
+                raise NoMatch(attention.name)
             heads, kv_heads = int(sizes[0]) // d, int(sizes[1]) // d
             if heads % kv_heads:
-                raise LookupError(attention.name)
+                raise NoMatch(attention.name)
             # out: Reshape([B, H, S, D]) → Transpose → Reshape([B, S, H·D]), each the only reader of the last
-            o_view = reader(attention.output[0], "Reshape")
-            o_heads = reader(o_view.output[0], "Transpose")
-            if list(attr(o_heads, "perm", [])) != [0, 2, 1, 3]:
-                raise LookupError(attention.name)
-            o_flat = reader(o_heads.output[0], "Reshape")
-        except (LookupError, StopIteration, ValueError, TypeError):
+            o_view = g.reader(attention.output[0], "Reshape")
+            o_heads = g.reader(o_view.output[0], "Transpose")
+            if list(g.attr(o_heads, "perm", [])) != [0, 2, 1, 3]:
+                raise NoMatch(attention.name)
+            o_flat = g.reader(o_heads.output[0], "Reshape")
+        except NoMatch:
             continue
-        scale = next(a.f for a in attention.attribute if a.name == "scale")
+        scale = g.attr(attention, "scale")
         node = helper.make_node(ROTARY_OP, [split.input[0], cos, sin, cache_k, cache_v, masked],
                                 [o_flat.output[0], present_k, present_v], name=f"{attention.name}_rotary",
                                 domain=DOMAIN, scale=float(scale), heads=heads, kv_heads=kv_heads)
@@ -371,15 +323,6 @@ def fuse_rotary_attention(graph) -> int:
             drop.add(id(n))
         insert[id(attention)] = node
         fused += 1
-    if not fused:
-        return 0
-    nodes = [insert.get(id(n), n) for n in graph.node if id(n) not in drop or id(n) in insert]
-    while True:  # drop what now feeds nothing (the shape arithmetic of the reshapes)
-        used = {i for n in nodes for i in n.input} | outputs
-        kept = [n for n in nodes if any(o in used for o in n.output)]
-        if len(kept) == len(nodes):
-            break
-        nodes = kept
-    graph.ClearField("node")
-    graph.node.extend(nodes)
+    if fused:
+        replace_nodes(graph, drop, insert)
     return fused

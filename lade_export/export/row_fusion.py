@@ -38,104 +38,65 @@ def fuse_row_work(graph) -> dict:
     Returns:
         ``{"rms_norm": n, "swiglu": n, "residual": n}``: the nodes folded of each kind.
     """
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
-    producers = {o: n for n in graph.node for o in n.output}
-    readers = {}
-    for n in graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    inits = {i.name: i for i in graph.initializer}
-    outputs = {o.name for o in graph.output}
-    position = {id(n): k for k, n in enumerate(graph.node)}
+    from .graph_match import GraphIndex, NoMatch, replace_nodes
 
-    def const(name):
-        if name in inits:
-            return numpy_helper.to_array(inits[name])
-        node = producers.get(name)
-        if node is not None and node.op_type == "Constant":
-            return next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
-        return None
-
-    def scalar(name):
-        value = const(name)
-        return float(value.ravel()[0]) if value is not None and value.size == 1 else None
-
-    def attr(node, name, default=None):
-        a = next((a for a in node.attribute if a.name == name), None)
-        return default if a is None else helper.get_attribute_value(a)
-
-    def sole(name, op):
-        """The producer of ``name``, an ``op``, when ``name`` has one reader and is no graph output."""
-        node = producers.get(name)
-        if node is None or node.op_type != op or len(readers.get(name, [])) != 1 or name in outputs:
-            raise LookupError(name)
-        return node
-
-    def other(node, name):
-        rest = [i for i in node.input if i != name]
-        if len(rest) != 1:
-            raise LookupError(node.name)
-        return rest[0]
+    g = GraphIndex(graph)
 
     def rms_norm(name):
         """``γ · (x · (1 / sqrt(mean(x²) + ε)))`` ending in ``name`` → (x, γ, ε, its nodes)."""
-        scaled = sole(name, "Mul")
-        gamma = next((i for i in scaled.input if i in inits), None)
-        if gamma is None:
-            raise LookupError(name)
-        normed = sole(other(scaled, gamma), "Mul")
-        div = next((producers.get(i) for i in normed.input if producers.get(i) is not None
-                    and producers[i].op_type == "Div"), None)
-        if div is None or len(readers[div.output[0]]) != 1 or scalar(div.input[0]) != 1.0:
-            raise LookupError(name)
-        x = other(normed, div.output[0])
-        sqrt = sole(div.input[1], "Sqrt")
-        add = sole(sqrt.input[0], "Add")
-        mean = next((producers.get(i) for i in add.input if producers.get(i) is not None
-                     and producers[i].op_type == "ReduceMean"), None)
-        if mean is None or len(readers[mean.output[0]]) != 1:
-            raise LookupError(name)
-        eps = scalar(other(add, mean.output[0]))
-        axes = attr(mean, "axes") if len(mean.input) < 2 else const(mean.input[1])
-        if eps is None or axes is None or [int(a) for a in list(axes)] != [-1] or attr(mean, "keepdims", 1) != 1:
-            raise LookupError(name)
-        square = sole(mean.input[0], "Pow")
-        if square.input[0] != x or scalar(square.input[1]) != 2.0:
-            raise LookupError(name)
-        if len(inits[gamma].dims) != 1:
-            raise LookupError(name)
+        scaled = g.sole(name, "Mul")
+        gamma = next((i for i in scaled.input if i in g.inits), None)
+        if gamma is None or len(g.inits[gamma].dims) != 1:
+            raise NoMatch(name)
+        normed = g.sole(g.other_input(scaled, gamma), "Mul")
+        div = next((g.producers[i] for i in normed.input if i in g.producers and g.producers[i].op_type == "Div"), None)
+        if div is None or len(g.readers[div.output[0]]) != 1 or g.scalar(div.input[0]) != 1.0:
+            raise NoMatch(name)
+        x = g.other_input(normed, div.output[0])
+        sqrt = g.sole(div.input[1], "Sqrt")
+        add = g.sole(sqrt.input[0], "Add")
+        mean = next((g.producers[i] for i in add.input if i in g.producers and g.producers[i].op_type == "ReduceMean"),
+                    None)
+        if mean is None or len(g.readers[mean.output[0]]) != 1:
+            raise NoMatch(name)
+        eps = g.scalar(g.other_input(add, mean.output[0]))
+        axes = g.attr(mean, "axes") if len(mean.input) < 2 else g.const(mean.input[1])
+        if eps is None or axes is None or [int(a) for a in list(axes)] != [-1] or g.attr(mean, "keepdims", 1) != 1:
+            raise NoMatch(name)
+        square = g.sole(mean.input[0], "Pow")
+        if square.input[0] != x or g.scalar(square.input[1]) != 2.0:
+            raise NoMatch(name)
         return x, gamma, eps, [scaled, normed, div, sqrt, add, mean, square]
 
     def swiglu(name):
         """``(g · σ(g)) · u`` with ``g, u = Split(z)`` ending in ``name`` → (z, its nodes)."""
-        product = sole(name, "Mul")
-        gated = next((producers.get(i) for i in product.input if producers.get(i) is not None
-                      and producers[i].op_type == "Mul" and any(producers.get(j) is not None and
-                                                               producers[j].op_type == "Sigmoid"
-                                                               for j in producers[i].input)), None)
-        if gated is None or len(readers[gated.output[0]]) != 1:
-            raise LookupError(name)
-        up = other(product, gated.output[0])
-        sigmoid = next(producers[j] for j in gated.input if producers.get(j) is not None
-                       and producers[j].op_type == "Sigmoid")
+        product = g.sole(name, "Mul")
+        gated = next((g.producers[i] for i in product.input if i in g.producers and g.producers[i].op_type == "Mul"
+                      and any(j in g.producers and g.producers[j].op_type == "Sigmoid"
+                              for j in g.producers[i].input)), None)
+        if gated is None or len(g.readers[gated.output[0]]) != 1:
+            raise NoMatch(name)
+        up = g.other_input(product, gated.output[0])
+        sigmoid = next(g.producers[j] for j in gated.input if j in g.producers and g.producers[j].op_type == "Sigmoid")
         gate = sigmoid.input[0]
-        if other(gated, sigmoid.output[0]) != gate or len(readers[sigmoid.output[0]]) != 1:
-            raise LookupError(name)
-        split = producers.get(gate)
-        if (split is None or split.op_type != "Split" or list(split.output) != [gate, up]
-                or attr(split, "axis", 0) not in (-1, 2) or len(readers[gate]) != 2 or len(readers[up]) != 1):
-            raise LookupError(name)
-        sizes = const(split.input[1]) if len(split.input) > 1 else None
+        if g.other_input(gated, sigmoid.output[0]) != gate or len(g.readers[sigmoid.output[0]]) != 1:
+            raise NoMatch(name)
+        split = g.produced_by(gate, "Split")
+        if (list(split.output) != [gate, up] or g.attr(split, "axis", 0) not in (-1, 2)
+                or len(g.readers[gate]) != 2 or len(g.readers[up]) != 1):
+            raise NoMatch(name)
+        sizes = g.const(split.input[1]) if len(split.input) > 1 else None
         if sizes is None or sizes.size != 2 or sizes[0] != sizes[1]:
-            raise LookupError(name)
+            raise NoMatch(name)
         z = split.input[0]
-        if len(readers[z]) != 1 or z in outputs:
-            raise LookupError(name)
+        if len(g.readers[z]) != 1 or z in g.outputs:
+            raise NoMatch(name)
         return z, [product, gated, sigmoid, split]
 
     def int8(node):
-        return node.op_type == "MatMulBlockQ" and attr(node, "compute", 0) == 1
+        return node.op_type == "MatMulBlockQ" and g.attr(node, "compute", 0) == 1
 
     counts = {"rms_norm": 0, "swiglu": 0, "residual": 0}
     drop = set()
@@ -143,11 +104,11 @@ def fuse_row_work(graph) -> dict:
         try:
             x, gamma, eps, nodes = rms_norm(node.input[0])
             kind, extra = PROLOGUE_RMS_NORM, {"epsilon": eps}
-        except (LookupError, StopIteration, TypeError, ValueError):
+        except NoMatch:
             try:
                 x, nodes = swiglu(node.input[0])
                 kind, extra, gamma = PROLOGUE_SWIGLU, {}, None
-            except (LookupError, StopIteration, TypeError, ValueError):
+            except NoMatch:
                 continue
         node.input[0] = x
         if gamma is not None:
@@ -160,28 +121,23 @@ def fuse_row_work(graph) -> dict:
         counts["rms_norm" if kind == PROLOGUE_RMS_NORM else "swiglu"] += 1
     for node in [n for n in graph.node if int8(n)]:  # Y = R + X·W
         y = node.output[0]
-        found = readers.get(y, [])
-        if len(found) != 1 or found[0].op_type != "Add" or y in outputs or id(found[0]) in drop:
+        try:
+            add = g.reader(y, "Add")
+            residual = g.other_input(add, y)
+        except NoMatch:
             continue
-        add = found[0]
-        residual = [i for i in add.input if i != y]
-        if len(residual) != 1:
-            continue
-        source = producers.get(residual[0])
-        if source is not None and position[id(source)] > position[id(node)]:
+        source = g.producers.get(residual)
+        if id(add) in drop or (source is not None and g.position[id(source)] > g.position[id(node)]):
             continue  # computed after the projection: not a residual stream
         while len(node.input) < 4:
             node.input.append("")
         if len(node.input) == 4:
-            node.input.append(residual[0])
+            node.input.append(residual)
         else:
-            node.input[4] = residual[0]
+            node.input[4] = residual
         node.output[0] = add.output[0]
         drop.add(id(add))
         counts["residual"] += 1
-    if not any(counts.values()):
-        return counts
-    nodes = [n for n in graph.node if id(n) not in drop]
-    graph.ClearField("node")
-    graph.node.extend(nodes)
+    if any(counts.values()):
+        replace_nodes(graph, drop, {})
     return counts
