@@ -58,6 +58,7 @@ def exact_attention(graph) -> int:
     from onnx import helper, numpy_helper
 
     from ..kernels import DOMAIN
+    from .graph_match import replace_nodes
 
     producers = {o: n for n in graph.node for o in n.output}
     consumers = {}
@@ -105,18 +106,10 @@ def exact_attention(graph) -> int:
                                 list(add.output), name=f"{softmax.name}_rows", domain=DOMAIN, scale=float(scale),
                                 **in_place)
         for n in (past_scores, step_scores, concat, scale_mul, reshape, where, softmax, view, *slices, *products, add):
-            drop.add(n.name)
-        insert[add.name] = rows
+            drop.add(id(n))
+        insert[id(add)] = rows
         replaced += 1
-    nodes = [insert.get(n.name, n) for n in graph.node if n.name not in drop or n.name in insert]
-    while True:  # drop what now feeds nothing (shape arithmetic of the old pattern)
-        used = {i for n in nodes for i in n.input} | {o.name for o in graph.output}
-        kept = [n for n in nodes if any(o in used for o in n.output)]
-        if len(kept) == len(nodes):
-            break
-        nodes = kept
-    graph.ClearField("node")
-    graph.node.extend(nodes)
+    replace_nodes(graph, drop, insert)  # and what now feeds nothing (shape arithmetic of the old pattern)
     return replaced
 
 
