@@ -15,6 +15,7 @@ module                      job
 ``attention_rows``          the int8 path's attention swapped for the kernels' ``AttentionRows``,
                             then each layer's for one ``RotaryAttentionRows``
 ``row_fusion``              the int8 path's norms, SwiGLU and residual adds folded into ``MatMulBlockQ``
+``graph_match``             the lookups and checks those two rewrites share
 ``precision``               graphs exported in float16/bfloat16 for TensorRT
 ``parity``                  ONNX Runtime against PyTorch and transformers on real prompts
 ``optimization_profiles``   TensorRT optimization profiles (min/opt/max shapes) per lookahead profile
