@@ -323,7 +323,8 @@ def resolve_profile(value: str | Path) -> LookaheadProfile:
         return GREEDY
     if not text.strip():
         raise ProfileError("empty profile: give a TOML path, a shipped name "
-                           f"({', '.join(bundled_profile_names())}) or W,N,G[,K[,B]]")
+                           f"({', '.join(bundled_profile_names())}), W,N,G[,K[,B]], or 'greedy' for plain greedy "
+                           "decoding")
     path = Path(text)
     if path.is_file() or path.is_dir():
         return load_profile(path)  # a directory: refused there, by name

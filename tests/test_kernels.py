@@ -855,6 +855,23 @@ def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_inspect_does_not_load_a_library_that_is_not_the_one_built(tmp_path, stories_lade):
+    """A truncated kernel library can crash the process that maps it (a bus error, not an
+    OSError), so inspect loads it only when its size and sha256 are the manifest's: here it reports
+    the mismatch in its file check, in a process that lives to exit 2."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(stories_lade, copy)
+    whole = (stories_lade / LIBRARY).read_bytes()
+    (copy / LIBRARY).write_bytes(whole[:1000])
+    done = subprocess.run([sys.executable, "-m", "lade_export.cli", "inspect", str(copy)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-500:]
+    assert f"1,000 bytes on disk, the manifest says {len(whole):,}" in " ".join(done.stdout.split())
+    assert "this CPU takes" not in done.stdout
+
+
 def test_a_build_offline_without_the_headers_stops_before_any_work(tmp_path, stories_dir, monkeypatch):
     """The other refused --kernels combinations are rows of docs/errors.md (tests/test_errors.py)."""
     import lade_export.kernels as kernels

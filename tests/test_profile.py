@@ -72,8 +72,8 @@ def test_a_disabled_profile_needs_no_shape(tmp_path):
 
 
 def test_empty_and_directory_profiles_are_named(tmp_path):
-    with pytest.raises(ProfileError, match=r"^empty profile: give a TOML path, a shipped name \(.*default.*\) or "
-                                           r"W,N,G\[,K\[,B\]\]$"):
+    with pytest.raises(ProfileError, match=r"^empty profile: give a TOML path, a shipped name \(.*default.*\), "
+                                           r"W,N,G\[,K\[,B\]\], or 'greedy' for plain greedy decoding$"):
         resolve_profile("  ")
     with pytest.raises(ProfileError, match=r"^profile path is a directory, not a TOML file: "):
         resolve_profile(str(tmp_path))

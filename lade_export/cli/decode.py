@@ -159,13 +159,18 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
             sys.exit(1)
 
 
-def _path_here(library, compute: str) -> str | None:
+def _path_here(library, compute: str, entry=None) -> str | None:
     """What ``inspect`` says of the path the kernel library takes in this process: "this CPU
     takes <path>", the reason ``$LADE_KERNELS_PATH`` cannot be honoured, or None when the
-    library is missing or cannot be loaded (the file check below reports it)."""
+    library is missing, is not the file the manifest records (``entry``: its size and sha256;
+    a truncated library can crash the process that loads it) or cannot be loaded (the file
+    check below reports it)."""
+    from ..artifact import sha256_file
     from ..kernels import running_path
 
     if library is None or not Path(library).is_file():
+        return None
+    if entry is not None and (Path(library).stat().st_size != entry.bytes or sha256_file(library) != entry.sha256):
         return None
     try:
         chosen = running_path(library, compute)
@@ -237,7 +242,7 @@ def inspect(artifact_dir, as_json):
         where = f" ({m.graph.custom_ops})" if m.graph.custom_ops else ""
         if spec.kernels == "lade":  # compute type, the paths the library holds (older builds: unlisted), this CPU's
             paths = ((library.paths if library is not None else None) or {}).get(spec.compute)
-            here = _path_here(artifact.custom_ops_path, spec.compute)
+            here = _path_here(artifact.custom_ops_path, spec.compute, m.files.get(m.graph.custom_ops))
             built = library.path_at_build if library is not None else None
             where = (f" ({m.graph.custom_ops}; {spec.compute} compute"
                      + (f", paths {', '.join(paths)}" if paths else "")
