@@ -85,16 +85,24 @@ class KVCache:
             (``head-major-shared`` only: the engine writes a whole step before any is kept).
         dtype: the buffers' dtype, the engine's ``kv_dtype`` (float32; float16 for the
             integer path's half-precision cache).
+        stacked: ``sequence-major`` only: every layer's key and value buffer is a view of
+            one array ``[2·num_layers, 1, capacity, kv_heads, head_dim]`` (keys, then
+            values), so :meth:`store_rows` copies a pass's rows for all layers in one
+            operation (the scheduler's pool: many requests' rows scattered per pass). A
+            stacked cache's feeds are views of that array, which device mirrors do not
+            recognise (:func:`owner_of` returns None): for CPU engines.
 
     Raises:
-        ValueError: an unknown ``layout``.
+        ValueError: an unknown ``layout``; ``stacked`` with another layout.
         GenerationError: an append would exceed ``capacity``.
     """
 
     def __init__(self, dims: ModelDims, capacity: int, layout: str = "sequence-major", step_room: int = 0,
-                 dtype=np.float32):
+                 dtype=np.float32, stacked: bool = False):
         if layout not in KV_LAYOUTS:
             raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+        if stacked and layout != "sequence-major":
+            raise ValueError(f"a stacked KV cache needs the sequence-major layout, not {layout!r}")
         self.dims = dims
         self.capacity = capacity
         self.layout = layout
@@ -107,8 +115,16 @@ class KVCache:
         else:
             shape = (1, dims.kv_heads, capacity + step_room, dims.head_dim)
         self.dtype = np.dtype(dtype)
-        self.keys = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
-        self.values = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
+        self.stacked = stacked
+        if stacked:
+            self._block = np.zeros((2 * dims.num_layers, *shape), self.dtype)
+            self.keys = list(self._block[:dims.num_layers])
+            self.values = list(self._block[dims.num_layers:])
+        else:
+            self.keys = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
+            self.values = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
+        self._present = [present_key_name(i) for i in range(dims.num_layers)] + \
+            [present_value_name(i) for i in range(dims.num_layers)]
         self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
         # (past key name, past value name, present key name, present value name) per layer
         self._names = [(past_key_name(i), past_value_name(i), present_key_name(i), present_value_name(i))
@@ -173,6 +189,25 @@ class KVCache:
             out[k] = key[:, :n]
             out[v] = value[:, :n]
         return out
+
+    def store_rows(self, outputs: dict, src, dst) -> None:
+        """Copy rows ``src`` of every ``present.*`` output ([1, step, kv_heads, head_dim]) to
+        columns ``dst`` of the matching buffers (``sequence-major``), every layer alike. A raw
+        write: it changes neither :attr:`length` nor the write log (the caller records it,
+        :meth:`rewrote`). Stacked, the outputs are joined once and written in one operation;
+        otherwise one copy per buffer. Same values either way (a copy; a float32 output into a
+        float16 cache is rounded to nearest even, as any numpy assignment).
+
+        Args:
+            outputs: the step's outputs by name.
+            src: step rows, a slice or int [n].
+            dst: columns, a slice or int [n] (as many as ``src``).
+        """
+        if self.stacked:
+            self._block[:, 0, dst] = np.concatenate([outputs[n] for n in self._present])[:, src]
+            return
+        for name, buffer in zip(self._present, (*self.keys, *self.values)):
+            buffer[0, dst] = outputs[name][0, src]
 
     def append(self, outputs: dict, rows: np.ndarray | None = None, step: int | None = None) -> None:
         """Keep this step's keys/values at ``rows`` of the step (all rows when None).

@@ -61,7 +61,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .kv_cache import KVCache
-from .specs import ModelDims, present_key_name, present_value_name
+from .specs import ModelDims
 
 
 @dataclasses.dataclass
@@ -188,7 +188,9 @@ class TokenPool:
         self.limit = limit
         self.regions = regions
         self.owner = np.zeros(0, dtype=np.int64)  # [used]
-        self.cache = KVCache(dims, min(initial, limit), layout, step_room=step_room, dtype=dtype)
+        # regions: a pass's kept rows scatter over several requests' regions, written for every
+        # layer at once (a stacked cache; KVCache.store_rows)
+        self.cache = KVCache(dims, min(initial, limit), layout, step_room=step_room, dtype=dtype, stacked=regions)
         self._region: dict[int, list[int]] = {}  # owner -> [start, size, filled] (regions)
 
     @property
@@ -216,7 +218,8 @@ class TokenPool:
         return (r[0], r[1]) if r is not None else None
 
     def _grow(self, capacity: int) -> None:
-        grown = KVCache(self.dims, capacity, self.layout, step_room=self.step_room, dtype=self.cache.dtype)
+        grown = KVCache(self.dims, capacity, self.layout, step_room=self.step_room, dtype=self.cache.dtype,
+                        stacked=self.regions)
         n = self.used
         for old, new in zip((*self.cache.keys, *self.cache.values), (*grown.keys, *grown.values)):
             if self.layout == "sequence-major":
@@ -312,9 +315,8 @@ class TokenPool:
                 src = np.concatenate([rows for _, rows in kept]).astype(np.intp)
                 dst = np.concatenate([np.arange(len(rows)) + (self._region[o][0] + self._region[o][2])
                                       for o, rows in kept])
-            for i in range(self.dims.num_layers) if kept else ():
-                self.cache.keys[i][0, dst] = outputs[present_key_name(i)][0, src]
-                self.cache.values[i][0, dst] = outputs[present_value_name(i)][0, src]
+            if kept:
+                self.cache.store_rows(outputs, src, dst)
             for o, rows in kept:
                 r = self._region[o]
                 self.cache.rewrote(r[0] + r[2])  # for engines that keep a copy of the pool on a device

@@ -47,3 +47,33 @@ def test_append_keeps_exactly_the_chosen_rows_in_order(rows, dtype):
     feeds = cache.feeds()
     assert feeds["past_key_values.0.key"].shape == (1, cache.length, DIMS.kv_heads, DIMS.head_dim)
     assert feeds["past_key_values.2.value"].base is cache.values[2]  # a view of the buffer, not a copy
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("src,dst", [(slice(2, 5), slice(7, 10)), (np.array([0, 3, 4, 7]), np.array([1, 12, 20, 30])),
+                                     (np.array([5]), np.array([0]))])
+def test_store_rows_writes_every_layer_alike_stacked_or_not(src, dst, dtype):
+    """The scheduler pool's write (one operation when stacked) puts the same values in the same
+    columns as one copy per buffer, and touches nothing else (each layer's view its own)."""
+    rng = np.random.default_rng(1)
+    step = step_outputs(rng, 8, dtype)
+    caches = [KVCache(DIMS, capacity=32, dtype=dtype, stacked=stacked) for stacked in (False, True)]
+    for cache in caches:
+        for buffer in (*cache.keys, *cache.values):
+            buffer[...] = -1
+        cache.store_rows(step, src, dst)
+    plain, stacked = caches
+    assert stacked.nbytes == plain.nbytes
+    for i in range(DIMS.num_layers):
+        for buffers, name in ((lambda c: c.keys, present_key_name(i)), (lambda c: c.values, present_value_name(i))):
+            expect = np.full((1, 32, DIMS.kv_heads, DIMS.head_dim), -1, dtype)
+            expect[0, dst] = step[name][0, src]
+            assert np.array_equal(buffers(plain)[i], expect)
+            assert np.array_equal(buffers(stacked)[i], expect)
+    assert stacked.feeds()["past_key_values.1.value"].flags.c_contiguous
+    assert stacked.length == 0 and stacked.revision == 0  # a raw write: the caller records it
+
+
+def test_stacked_cache_needs_the_sequence_major_layout():
+    with pytest.raises(ValueError, match="stacked KV cache needs the sequence-major layout"):
+        KVCache(DIMS, capacity=8, layout="head-major-shared", stacked=True)
