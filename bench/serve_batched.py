@@ -17,6 +17,9 @@ For each concurrency level N and each mode, N client threads keep N requests in 
 
 Levels are run in order and the two modes alternate within a level, ``--rounds`` times
 (the machine may be shared: compare ratios within a level; the median round is shown).
+With ``--interleave-levels`` each round runs every level in turn instead, and the scaling
+figures (a level's throughput over the first level's) are also printed as medians of
+per-round ratios.
 The decodings' order flips every round (greedy, default, then default, greedy, …), and with
 several rounds and decodings each level also prints the median over rounds of each
 decoding's throughput over the first decoding's in the same round and mode: the paired
@@ -124,6 +127,10 @@ def main(argv=None) -> int:
                     help="the scheduler's width policy; several: one scheduler mode each, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="runs per level and mode, alternating; the median run "
                     "(by throughput) is reported")
+    ap.add_argument("--interleave-levels", action="store_true",
+                    help="run every level within each round (levels in order, then the next round) and print, per "
+                         "round, each level's throughput over the first level's: scaling ratios that hold where "
+                         "the machine's speed drifts between minutes")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--backend", default="ort", help="ort, tensorrt or torch (lade_export.load's backend)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -168,35 +175,41 @@ def main(argv=None) -> int:
         from lade_export.export.model_source import builtin_smollm2_path
         gguf = args.llama_gguf or builtin_smollm2_path()
         report["peers"] = {"gguf": str(gguf), "binary": str(llama_server_peer.DEFAULT_BIN / "llama-server")}
+    runs = {(c, d, mode): [] for c in args.concurrency for d in args.decoding for mode in modes}
+    runs.update({(c, "greedy", peer): [] for c in args.concurrency for peer in args.peers})
+    # levels in order, the rounds within each; or (--interleave-levels) every level within each round,
+    # so that a level's figure and the first level's of the same round share the machine's minute
+    order = ([(k, c) for k in range(args.rounds) for c in args.concurrency] if args.interleave_levels
+             else [(k, c) for c in args.concurrency for k in range(args.rounds)])
+    for k, c in order:
+        # the decodings' order flips every round (A B, B A, …), so a drift of the machine's speed
+        # within a level weighs on both alike; the paired ratios below come from these rounds
+        for decoding in (args.decoding if k % 2 == 0 else args.decoding[::-1]):
+            lookahead = decoding != "greedy"
+            profile = None if decoding in ("greedy", "default") else decoding
+            for mode in modes:
+                scheduler = schedulers.get(mode)
+                model.scheduler = scheduler
+                before = ((scheduler.pass_shapes.copy(), scheduler.width_passes.copy(),
+                           scheduler.width_steps.copy()) if scheduler else None)
+                cpu = time.process_time()
+                records, wall = run_level(model, prompts, c, args.requests, args.max_new_tokens, profile,
+                                          lookahead)
+                cpu = time.process_time() - cpu
+                runs[c, decoding, mode].append(summarize(records, wall, references[decoding], scheduler, before,
+                                                         cpu))
+        model.scheduler = None
+        for peer in args.peers:  # llama-server with -np = this level's concurrency, started per run
+            with llama_server_peer.LlamaServer(gguf, c, args.threads or os.cpu_count(),
+                                               ngram=peer.endswith("-ngram")) as server:
+                report.setdefault("peer_commands", {})[f"{peer} c={c}"] = server.describe()
+                llama_server_peer.run_level(server, peer_ids[:1], 1, 1, 8)  # warm-up
+                records, wall = llama_server_peer.run_level(server, peer_ids, c, args.requests,
+                                                            args.max_new_tokens)
+            runs[c, "greedy", peer].append(summarize(records, wall, None))
+    all_runs = runs
     for c in args.concurrency:
-        runs = {(d, mode): [] for d in args.decoding for mode in modes}
-        runs.update({("greedy", peer): [] for peer in args.peers})
-        for k in range(args.rounds):
-            # the decodings' order flips every round (A B, B A, …), so a drift of the machine's speed
-            # within a level weighs on both alike; the paired ratios below come from these rounds
-            for decoding in (args.decoding if k % 2 == 0 else args.decoding[::-1]):
-                lookahead = decoding != "greedy"
-                profile = None if decoding in ("greedy", "default") else decoding
-                for mode in modes:
-                    scheduler = schedulers.get(mode)
-                    model.scheduler = scheduler
-                    before = ((scheduler.pass_shapes.copy(), scheduler.width_passes.copy(),
-                               scheduler.width_steps.copy()) if scheduler else None)
-                    cpu = time.process_time()
-                    records, wall = run_level(model, prompts, c, args.requests, args.max_new_tokens, profile,
-                                              lookahead)
-                    cpu = time.process_time() - cpu
-                    runs[decoding, mode].append(summarize(records, wall, references[decoding], scheduler, before,
-                                                          cpu))
-            model.scheduler = None
-            for peer in args.peers:  # llama-server with -np = this level's concurrency, started per run
-                with llama_server_peer.LlamaServer(gguf, c, args.threads or os.cpu_count(),
-                                                   ngram=peer.endswith("-ngram")) as server:
-                    report.setdefault("peer_commands", {})[f"{peer} c={c}"] = server.describe()
-                    llama_server_peer.run_level(server, peer_ids[:1], 1, 1, 8)  # warm-up
-                    records, wall = llama_server_peer.run_level(server, peer_ids, c, args.requests,
-                                                                args.max_new_tokens)
-                runs["greedy", peer].append(summarize(records, wall, None))
+        runs = {(d, mode): r for (level, d, mode), r in all_runs.items() if level == c}
         row = {}
         for (decoding, mode), rounds in runs.items():
             ordered = sorted(rounds, key=lambda r: r["throughput_tok_s"])
@@ -226,6 +239,20 @@ def main(argv=None) -> int:
                          "median": median})
                     print(f"|   | {c} | {mode}: {decoding} / {first}, paired rounds | median {median:.3f}× "
                           f"({ratios[0]:.3f}–{ratios[-1]:.3f}, {len(ratios)} rounds) |", flush=True)
+    first = args.concurrency[0]
+    if args.interleave_levels and args.rounds > 1 and len(args.concurrency) > 1:
+        # per round: each level's throughput over the first level's, same decoding and mode
+        for c in args.concurrency[1:]:
+            for decoding in args.decoding:
+                for mode in modes:
+                    ratios = sorted(b["throughput_tok_s"] / a["throughput_tok_s"]
+                                    for a, b in zip(all_runs[first, decoding, mode], all_runs[c, decoding, mode]))
+                    median = statistics.median(ratios)
+                    report.setdefault("scaling_ratios", []).append(
+                        {"concurrency": c, "over": first, "mode": mode, "decoding": decoding, "ratios": ratios,
+                         "median": median})
+                    print(f"|   | {c} | {mode}, {decoding}: concurrency {c} / {first}, same round | median "
+                          f"{median:.3f}× ({ratios[0]:.3f}–{ratios[-1]:.3f}, {len(ratios)} rounds) |", flush=True)
     model.scheduler = None
     for scheduler in schedulers.values():
         scheduler.close()
