@@ -37,6 +37,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -647,6 +648,7 @@ const char* const kIntNames[] = {"portable", "avx2", "avxvnni", "avx512vnni", "a
 struct Dispatch {
   int int_path = kPortable;
   bool float_avx512 = false;
+  bool attn_avx2 = false;  // attention and rotary rows in 8 lanes (AVX2, FMA, F16C) where float_avx512 is off
   bool supported[5] = {true, false, false, false, false};
   bool cpu_avx512 = false;
   std::string error;  // non-empty: LADE_KERNELS_PATH cannot be honoured
@@ -716,6 +718,7 @@ Dispatch choose_paths() {
   }
   d.int_name = kIntNames[d.int_path];
   d.float_name = d.float_avx512 ? "avx512" : "portable";
+  d.attn_avx2 = !d.float_avx512 && d.supported[kAvx2] && d.int_path != kPortable;
   return d;
 }
 
@@ -780,6 +783,19 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp_avx512(__m512 x) {
   for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// exp_avx512's operations 8 lanes at a time.
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(kRound)),
+                                 _mm256_set1_ps(kRound));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpC[6]);
+  for (int i = 5; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[i]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
 
@@ -1165,13 +1181,89 @@ inline bool block_seen(const bool* m, int64_t n) {
   return false;
 }
 
+#ifdef LADE_X86
+// The vector pieces of softmax_row, attention_row and tiles_of (MODE 1: AVX-512, 2: AVX2 with FMA and
+// F16C), each doing lane for lane what the scalar code beside its call does, so every mode gives the
+// same bits. They are functions of their own so that the scalar code around them is compiled for any
+// x86-64 CPU: a target attribute on the whole function let the compiler put AVX-512 instructions into
+// the portable path too (a CPU without AVX-512 stopped on them).
+
+// exp(x − top) for the 16 scores at x.
+__attribute__((target("avx512f,fma"))) void exp16_avx512(float* x, float top) {
+  _mm512_storeu_ps(x, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x), _mm512_set1_ps(top))));
+}
+__attribute__((target("avx2,fma"))) void exp16_avx2(float* x, float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  _mm256_storeu_ps(x, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x), t)));
+  _mm256_storeu_ps(x + 8, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + 8), t)));
+}
+
+// dst[c] = (Σ_e fma(q[e], col[e·stride + c], ·) in e order) · scale for the block's keys c < width.
+__attribute__((target("avx512f,fma"))) void scores16_avx512(const float* q, const float* col, int64_t stride,
+                                                            int64_t d, int64_t width, float scale, float* dst) {
+  const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e)
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_maskz_loadu_ps(lanes, col + e * stride), acc);
+  _mm512_mask_storeu_ps(dst, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+}
+// The same for a full block (16 keys) of each of `blocks` ≤ 2 blocks (cols[b], dst[b]), as two
+// 8-lane halves: 2·blocks independent FMA chains.
+__attribute__((target("avx2,fma"))) void scores16_avx2(const float* q, const float* const* cols, const int64_t* stride,
+                                                       int blocks, int64_t d, float scale, float* const* dst) {
+  __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+  if (blocks == 2) {
+    for (int64_t e = 0; e < d; ++e) {
+      const __m256 qe = _mm256_set1_ps(q[e]);
+      const float *a = cols[0] + e * stride[0], *b = cols[1] + e * stride[1];
+      acc[0][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a), acc[0][0]);
+      acc[0][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a + 8), acc[0][1]);
+      acc[1][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(b), acc[1][0]);
+      acc[1][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(b + 8), acc[1][1]);
+    }
+  } else {
+    for (int64_t e = 0; e < d; ++e) {
+      const __m256 qe = _mm256_set1_ps(q[e]);
+      const float* a = cols[0] + e * stride[0];
+      acc[0][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a), acc[0][0]);
+      acc[0][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a + 8), acc[0][1]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int b = 0; b < blocks; ++b) {
+    _mm256_storeu_ps(dst[b], _mm256_mul_ps(acc[b][0], sc));
+    _mm256_storeu_ps(dst[b] + 8, _mm256_mul_ps(acc[b][1], sc));
+  }
+}
+
+// out[e] = fma(weight, value[e], out[e]) for the first elements of d (returns how many: the rest is scalar).
+__attribute__((target("avx512f,fma"))) int64_t values_avx512(float weight, const float* value, float* out, int64_t d) {
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16)
+    _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(value + e), _mm512_loadu_ps(out + e)));
+  return e;
+}
+__attribute__((target("avx2,fma"))) int64_t values_avx2(float weight, const float* value, float* out, int64_t d) {
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8)
+    _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_set1_ps(weight), _mm256_loadu_ps(value + e), _mm256_loadu_ps(out + e)));
+  return e;
+}
+// The same with float16 values, widened exactly (F16C).
+__attribute__((target("avx2,fma,f16c"))) int64_t values_avx2(float weight, const uint16_t* value, float* out, int64_t d) {
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(value + e)));
+    _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_set1_ps(weight), v, _mm256_loadu_ps(out + e)));
+  }
+  return e;
+}
+#endif
+
 // The softmax of one row over the blocks it sees, in place in scores[0, P+S): the largest visible
 // score, exp(score − top) for every key of a seen block, and the sum of the visible ones in key order
 // (returned). The same operations for a row computed alone or in a group.
-template <bool WIDE>
-#ifdef LADE_X86
-__attribute__((target("avx512f,fma")))
-#endif
+template <int MODE>
 float softmax_row(const AttnJob& job, const bool* masked, const uint8_t* seen, float* scores) {
   const int64_t p = job.p, s = job.s;
   float top = -INFINITY;
@@ -1190,8 +1282,9 @@ float softmax_row(const AttnJob& job, const bool* masked, const uint8_t* seen, f
       int64_t j = at + i * kKeys;
       const int64_t end = at + std::min(n, (i + 1) * kKeys);
 #ifdef LADE_X86
-      if (WIDE && end - j == kKeys) {
-        _mm512_storeu_ps(scores + j, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), _mm512_set1_ps(top))));
+      if (MODE && end - j == kKeys) {
+        if (MODE == 1) exp16_avx512(scores + j, top);
+        else exp16_avx2(scores + j, top);
         continue;
       }
 #endif
@@ -1210,10 +1303,8 @@ float softmax_row(const AttnJob& job, const bool* masked, const uint8_t* seen, f
   return sum;
 }
 
-template <bool WIDE>
-#ifdef LADE_X86
-__attribute__((target("avx512f,fma")))
-#endif
+// MODE 0: portable; 1: AVX-512; 2: AVX2 (FMA, F16C).
+template <int MODE>
 void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores) {
   const int64_t rows = job.rows, d = job.d, p = job.p, s = job.s, total = p + s, kv = job.kv;
   const int64_t bi = index / (kv * rows), h = (index / rows) % kv, r = index % rows, t = r % s;
@@ -1227,19 +1318,29 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
     const bool tiled = !part && job.in_place;
     const float* keys = tiled ? job.tiles + (bi * kv + h) * job.n_tiles * d * kKeys
                               : (part ? job.k : job.pk) + (bi * kv + h) * d * n;
+    const float* pending = nullptr;  // AVX2: a full block waiting for a second one (two blocks per sweep)
+    float* pending_dst = nullptr;
     for (int64_t i = 0; i < blocks; ++i) {
       if (!seen[(part ? job.nb_p : 0) + i]) continue;
       const int64_t j0 = i * kKeys, width = std::min(kKeys, n - j0);
       const float* col = tiled ? keys + job.slot[bi * job.nb_p + i] * d * kKeys : keys + j0;
       const int64_t stride = tiled ? kKeys : n;
 #ifdef LADE_X86
-      if (WIDE) {
-        const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t e = 0; e < d; ++e)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_maskz_loadu_ps(lanes, col + e * stride), acc);
-        acc = _mm512_mul_ps(acc, _mm512_set1_ps(job.scale));
-        _mm512_mask_storeu_ps(scores.data() + at + j0, lanes, acc);
+      if (MODE == 1) {
+        scores16_avx512(q, col, stride, d, width, job.scale, scores.data() + at + j0);
+        continue;
+      }
+      if (MODE == 2 && width == kKeys) {
+        if (pending == nullptr) {
+          pending = col;
+          pending_dst = scores.data() + at + j0;
+          continue;
+        }
+        const float* cols[2] = {pending, col};
+        const int64_t strides[2] = {stride, stride};
+        float* const dst[2] = {pending_dst, scores.data() + at + j0};
+        scores16_avx2(q, cols, strides, 2, d, job.scale, dst);
+        pending = nullptr;
         continue;
       }
 #endif
@@ -1249,8 +1350,14 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
         scores[at + j0 + c] = acc * job.scale;
       }
     }
+#ifdef LADE_X86
+    if (MODE == 2 && pending != nullptr) {
+      const int64_t strides[1] = {tiled ? kKeys : n};
+      scores16_avx2(q, &pending, strides, 1, d, job.scale, &pending_dst);
+    }
+#endif
   }
-  const float sum = softmax_row<WIDE>(job, masked, seen, scores.data());
+  const float sum = softmax_row<MODE>(job, masked, seen, scores.data());
   float* out = job.out + index * d;
   for (int64_t e = 0; e < d; ++e) out[e] = 0.0f;
   for (int part = 0; part < 2; ++part) {
@@ -1262,7 +1369,11 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
         const float weight = scores[j] / sum;
         if (!part && job.pv16) {  // the float16 cache, sequence-major
           const uint16_t* value = job.pv16 + ((bi * p + j) * kv + h) * d;
-          for (int64_t e = 0; e < d; ++e) out[e] = std::fma(weight, half_to_float(value[e]), out[e]);
+          int64_t e = 0;
+#ifdef LADE_X86
+          if (MODE == 2) e = values_avx2(weight, value, out, d);
+#endif
+          for (; e < d; ++e) out[e] = std::fma(weight, half_to_float(value[e]), out[e]);
           continue;
         }
         const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j) * kv + h) * d
@@ -1270,10 +1381,8 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
                                    : job.v + ((bi * kv + h) * s + j - p) * d;
         int64_t e = 0;
 #ifdef LADE_X86
-        if (WIDE)
-          for (; e + 16 <= d; e += 16)
-            _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(value + e),
-                                                      _mm512_loadu_ps(out + e)));
+        if (MODE == 1) e = values_avx512(weight, value, out, d);
+        if (MODE == 2) e = values_avx2(weight, value, out, d);
 #endif
         for (; e < d; ++e) out[e] = std::fma(weight, value[e], out[e]);
       }
@@ -1284,8 +1393,9 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
 void run_attention(void* data, size_t task) {
   const AttnJob& job = *static_cast<const AttnJob*>(data);
   thread_local std::vector<float> scores;
-  if (dispatch().float_avx512) return attention_row<true>(job, static_cast<int64_t>(task), scores);
-  attention_row<false>(job, static_cast<int64_t>(task), scores);
+  if (dispatch().float_avx512) return attention_row<1>(job, static_cast<int64_t>(task), scores);
+  if (dispatch().attn_avx2) return attention_row<2>(job, static_cast<int64_t>(task), scores);
+  attention_row<0>(job, static_cast<int64_t>(task), scores);
 }
 
 #ifdef LADE_X86
@@ -1638,10 +1748,69 @@ void run_attention_groups(void* data, size_t task) {
 // Task = (b, kv head, kTileTasks consecutive blocks).
 constexpr int64_t kTileTasks = 8;
 
-template <bool WIDE>
 #ifdef LADE_X86
-__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+// A block's [D, 16] tile from its keys (key c, element e at keys[c·stride + e]; zeros for c ≥ width):
+// data movement only, and float16 keys widened exactly. AVX-512: 16 × 16 transposes in registers
+// (D a multiple of 16) or gathers (float32 keys).
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) bool tile16_avx512(const T* keys, int64_t stride, int64_t d,
+                                                                           int64_t width, float* tile) {
+  if (d % 16 == 0) {
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      __m512 t[16];
+      transpose16(keys + e0, stride, width, t);
+      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(tile + (e0 + k) * kKeys, t[k]);
+    }
+    return true;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (stride * kKeys < (int64_t{1} << 31)) {
+      const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
+      const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(stride)));
+      for (int64_t e = 0; e < d; ++e)
+        _mm512_storeu_ps(tile + e * kKeys, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, at, keys + e, 4));
+      return true;
+    }
+  }
+  return false;
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const uint16_t* p) {  // 8 float16 → float (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// AVX2: a full block (width 16) with D a multiple of 8, in 8 × 8 transposes.
+template <typename T>
+__attribute__((target("avx2,f16c"))) bool tile16_avx2(const T* keys, int64_t stride, int64_t d, int64_t width,
+                                                      float* tile) {
+  if (width != kKeys || d % 8 != 0) return false;
+  for (int64_t c0 = 0; c0 < kKeys; c0 += 8)
+    for (int64_t e0 = 0; e0 < d; e0 += 8) {
+      __m256 r[8], t[8];
+      for (int c = 0; c < 8; ++c) r[c] = load8(keys + (c0 + c) * stride + e0);
+      for (int i = 0; i < 4; ++i) {  // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {  // within each 128-bit half: element k of rows 4i … 4i + 3
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+      }
+      for (int k = 0; k < 4; ++k) {  // element k (low halves) and k + 4 (high halves) of rows 0 … 7
+        _mm256_storeu_ps(tile + (e0 + k) * kKeys + c0, _mm256_permute2f128_ps(r[k], r[4 + k], 0x20));
+        _mm256_storeu_ps(tile + (e0 + k + 4) * kKeys + c0, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
+      }
+    }
+  return true;
+}
 #endif
+
+// In-place cache (past_layout 1) tiles of task `task` (MODE as attention_row's).
+template <int MODE>
 void tiles_of(const AttnJob& job, int64_t task) {
   const int64_t chunks = (job.nb_p + kTileTasks - 1) / kTileTasks, d = job.d, kv = job.kv;
   const int64_t bi = task / (kv * chunks), h = (task / chunks) % kv, first = (task % chunks) * kTileTasks;
@@ -1655,23 +1824,10 @@ void tiles_of(const AttnJob& job, int64_t task) {
     const float* keys = job.pk16 ? nullptr : job.pk + at0;
     const uint16_t* keys16 = job.pk16 ? job.pk16 + at0 : nullptr;
 #ifdef LADE_X86
-    if (WIDE && d % 16 == 0) {  // 16 keys × 16 elements at a time, transposed in registers
-      for (int64_t e0 = 0; e0 < d; e0 += 16) {
-        __m512 t[16];
-        if (keys16) transpose16(keys16 + e0, kv * d, width, t);
-        else transpose16(keys + e0, kv * d, width, t);
-        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(tile + (e0 + k) * kKeys, t[k]);
-      }
+    if (MODE == 1 && (keys16 ? tile16_avx512(keys16, kv * d, d, width, tile) : tile16_avx512(keys, kv * d, d, width, tile)))
       continue;
-    }
-    if (WIDE && keys && kv * d * kKeys < (int64_t{1} << 31)) {
-      const __mmask16 lanes = static_cast<__mmask16>(width == kKeys ? 0xffff : (1u << width) - 1);
-      const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(kv * d)));
-      for (int64_t e = 0; e < d; ++e)
-        _mm512_storeu_ps(tile + e * kKeys, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, at, keys + e, 4));
+    if (MODE == 2 && (keys16 ? tile16_avx2(keys16, kv * d, d, width, tile) : tile16_avx2(keys, kv * d, d, width, tile)))
       continue;
-    }
 #endif
     for (int64_t c = 0; c < kKeys; ++c)
       for (int64_t e = 0; e < d; ++e) tile[e * kKeys + c] = c < width ? cache_at(keys, keys16, c * kv * d + e) : 0.0f;
@@ -1680,8 +1836,9 @@ void tiles_of(const AttnJob& job, int64_t task) {
 
 void run_tiles(void* data, size_t task) {
   const AttnJob& job = *static_cast<const AttnJob*>(data);
-  if (dispatch().float_avx512) return tiles_of<true>(job, static_cast<int64_t>(task));
-  tiles_of<false>(job, static_cast<int64_t>(task));
+  if (dispatch().float_avx512) return tiles_of<1>(job, static_cast<int64_t>(task));
+  if (dispatch().attn_avx2) return tiles_of<2>(job, static_cast<int64_t>(task));
+  tiles_of<0>(job, static_cast<int64_t>(task));
 }
 
 // One AttentionRows pass over shapes already checked: Q [B, KV, rows, D], this step's K [B, KV, D, S] and
