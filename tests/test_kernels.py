@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -184,14 +186,16 @@ print(json.dumps({"path": running_path(sys.argv[1], "int8"), "worst_rel": worst,
 """
 
 
-def _forced(path: str | None, script: str, *args) -> dict:
+def _forced(path: str | None, script: str, *args, emulate: list | None = None) -> dict:
+    """``script``'s last printed line (JSON) from a subprocess on kernel path ``path`` (None: the
+    one the CPU takes), run under ``emulate`` (a command prefix, e.g. a CPU emulator) if given."""
     env = dict(os.environ)
     env.pop("LADE_KERNELS_PORTABLE", None)
     env.pop("LADE_KERNELS_PATH", None)
     if path is not None:
         env["LADE_KERNELS_PATH"] = path
-    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([*(emulate or []), sys.executable, "-c", script, *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -782,6 +786,23 @@ def portable_decodes(stories_lade, tiny_lade, reference_greedy):
     prompts = json.dumps([c["prompt_ids"] for c in reference_greedy["cases"]])
     return {name: _forced("portable", _DECODE_CHECK, art, prompts, 2)
             for name, art in (("stories", stories_lade), ("tiny", tiny_lade))}
+
+
+def test_a_cpu_without_avx512_decodes_on_its_avx2_path(stories_lade, reference_greedy):
+    """On a CPU with AVX2, FMA and F16C but no AVX-512 (Haswell, emulated by QEMU's user mode), the
+    artifact's library takes its avx2 path unforced and decodes the portable path's tokens and logits,
+    lookahead equal to greedy: no AVX-512 instruction runs outside the AVX-512 paths (the scalar
+    attention was once compiled with an AVX-512 target and stopped such a CPU at its first step)."""
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None or platform.machine() != "x86_64":
+        pytest.skip("needs qemu-x86_64 (Debian: qemu-user) on an x86-64 machine")
+    prompts = json.dumps([c["prompt_ids"][:24] for c in reference_greedy["cases"][:1]])
+    got = _forced(None, _DECODE_CHECK, stories_lade, prompts, 1, emulate=[qemu, "-cpu", "Haswell"])
+    want = _forced("portable", _DECODE_CHECK, stories_lade, prompts, 1)
+    assert got["path"] == "avx2"
+    assert got["same"] is True
+    assert got["greedy"] == want["greedy"] and got["logits"] == want["logits"]
+    assert len(got["greedy"][0]) == 96
 
 
 @pytest.mark.parametrize("path", PATHS["int8"])
