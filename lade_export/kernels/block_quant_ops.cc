@@ -310,6 +310,48 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_row_
     qsum[b] = total;
   }
 }
+
+// The same 8 lanes at a time (the AVX-VNNI and AVX2 paths).
+__attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* x, int64_t k, int bits, int8_t* q, float* dx,
+                                                           float* sx, int32_t* qsum) {
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
+  const __m256i order = bits == 8 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) : _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 v[4];
+    __m256 most = _mm256_setzero_ps();
+    for (int h = 0; h < 4; ++h) {
+      v[h] = _mm256_loadu_ps(x + b * kBlock + 8 * h);
+      most = _mm256_max_ps(_mm256_andnot_ps(sign, v[h]), most);  // NaN in the first operand: the second
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, most);
+    float amax = lanes[0];
+    for (int l = 1; l < 8; ++l) amax = std::max(amax, lanes[l]);
+    const float d = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256i sum = _mm256_setzero_si256();
+    for (int h = 0; h < 4; ++h) {
+      const __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[h], _mm256_set1_ps(inv)), magic), magic);
+      const __m256i qi = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(t), low), high);
+      sum = _mm256_add_epi32(sum, qi);
+      const __m256i packed = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(qi, order), bytes);
+      const int32_t first = _mm256_extract_epi32(packed, 0), second = _mm256_extract_epi32(packed, 4);
+      std::memcpy(q + b * kBlock + 8 * h, &first, 4);
+      std::memcpy(q + b * kBlock + 8 * h + 4, &second, 4);
+    }
+    alignas(32) int32_t parts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
+    int32_t total = 0;
+    for (int l = 0; l < 8; ++l) total += parts[l];
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(total);
+    qsum[b] = total;
+  }
+}
 #endif
 
 inline float epilogue(float y, float dcol, float mcol, int32_t isum, float d, float s) {
@@ -648,7 +690,8 @@ const char* const kIntNames[] = {"portable", "avx2", "avxvnni", "avx512vnni", "a
 struct Dispatch {
   int int_path = kPortable;
   bool float_avx512 = false;
-  bool attn_avx2 = false;  // attention and rotary rows in 8 lanes (AVX2, FMA, F16C) where float_avx512 is off
+  bool float_avx2 = false;  // attention, row prologues and activation rounding in 8 lanes (AVX2, FMA, F16C)
+                           // where float_avx512 is off: the same bits as the scalar code
   bool supported[5] = {true, false, false, false, false};
   bool cpu_avx512 = false;
   std::string error;  // non-empty: LADE_KERNELS_PATH cannot be honoured
@@ -718,7 +761,7 @@ Dispatch choose_paths() {
   }
   d.int_name = kIntNames[d.int_path];
   d.float_name = d.float_avx512 ? "avx512" : "portable";
-  d.attn_avx2 = !d.float_avx512 && d.supported[kAvx2] && d.int_path != kPortable;
+  d.float_avx2 = !d.float_avx512 && d.supported[kAvx2] && d.int_path != kPortable;
   return d;
 }
 
@@ -866,6 +909,37 @@ __attribute__((target("avx512f,avx512dq,fma"))) void swiglu_row_avx512(const flo
   }
   for (; j < k; ++j) y[j] = (x[j] * sigmoid_scalar(x[j])) * x[k + j];
 }
+
+// The same two 8 lanes at a time: lane l of the 16 partial sums is lane l of the first half or l − 8 of the second.
+__attribute__((target("avx2,fma"))) void rms_norm_row_avx2(const float* x, const float* gamma, int64_t k, float eps,
+                                                           float* y) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+  }
+  alignas(32) float part[16];
+  _mm256_store_ps(part, lo);
+  _mm256_store_ps(part + 8, hi);
+  const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(tree16(part) / static_cast<float>(k) + eps));
+  for (int64_t j = 0; j < k; j += 8)
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_loadu_ps(gamma + j), _mm256_mul_ps(_mm256_loadu_ps(x + j), r)));
+}
+
+__attribute__((target("avx2,fma"))) void swiglu_row_avx2(const float* x, int64_t k, float* y) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m256 g = _mm256_loadu_ps(x + j);
+    const __m256 e = exp_avx2(_mm256_sub_ps(zero, _mm256_andnot_ps(sign, g)));
+    const __m256 up = _mm256_cmp_ps(g, zero, _CMP_GE_OQ);
+    const __m256 s = _mm256_div_ps(_mm256_blendv_ps(e, one, up), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(g, s), _mm256_loadu_ps(x + k + j)));
+  }
+  for (; j < k; ++j) y[j] = (x[j] * sigmoid_scalar(x[j])) * x[k + j];
+}
 #endif
 
 constexpr int64_t kPrologueRows = 8;  // rows per parallel task (a long prompt's chunk)
@@ -887,6 +961,11 @@ void prologue_rows(const PrologueJob& job, int64_t r0, int64_t r1) {
     if (dispatch().float_avx512 && job.k % 16 == 0) {
       if (job.kind == kPrologueRmsNorm) rms_norm_row_avx512(x, job.gamma, job.k, job.eps, y);
       else swiglu_row_avx512(x, job.k, y);
+      continue;
+    }
+    if (dispatch().float_avx2 && job.k % 16 == 0) {
+      if (job.kind == kPrologueRmsNorm) rms_norm_row_avx2(x, job.gamma, job.k, job.eps, y);
+      else swiglu_row_avx2(x, job.k, y);
       continue;
     }
 #endif
@@ -1067,6 +1146,7 @@ struct MatMulKernel {
     auto quantize = quantize_row;
 #ifdef LADE_X86
     if (job.path == kAvx512Vnni || job.path == kAmx) quantize = quantize_row_avx512;
+    else if (dispatch().float_avx2) quantize = quantize_row_avx2;
 #endif
     QuantizeJob rounding{quantize, xd, k, p.bits, p.blocks, rows, qa.data(), dx.data(), sx.data(), qsum.data()};
     if (rows <= kQuantizeRows) quantize_rows(rounding, 0, rows);  // each row alone: any split, the same bits
@@ -1394,7 +1474,7 @@ void run_attention(void* data, size_t task) {
   const AttnJob& job = *static_cast<const AttnJob*>(data);
   thread_local std::vector<float> scores;
   if (dispatch().float_avx512) return attention_row<1>(job, static_cast<int64_t>(task), scores);
-  if (dispatch().attn_avx2) return attention_row<2>(job, static_cast<int64_t>(task), scores);
+  if (dispatch().float_avx2) return attention_row<2>(job, static_cast<int64_t>(task), scores);
   attention_row<0>(job, static_cast<int64_t>(task), scores);
 }
 
@@ -1837,7 +1917,7 @@ void tiles_of(const AttnJob& job, int64_t task) {
 void run_tiles(void* data, size_t task) {
   const AttnJob& job = *static_cast<const AttnJob*>(data);
   if (dispatch().float_avx512) return tiles_of<1>(job, static_cast<int64_t>(task));
-  if (dispatch().attn_avx2) return tiles_of<2>(job, static_cast<int64_t>(task));
+  if (dispatch().float_avx2) return tiles_of<2>(job, static_cast<int64_t>(task));
   tiles_of<0>(job, static_cast<int64_t>(task));
 }
 
