@@ -188,7 +188,10 @@ class Artifact:
             and files up to :data:`QUICK_HASH_LIMIT` bytes (graph, tokenizer, engines'
             small files) match their sha256 — milliseconds; ``"full"`` (or True): every
             file's sha256, the weights included (~1 s per GB); ``"none"`` (or False):
-            only the manifest is read.
+            only the manifest is read — but a ``--kernels lade`` build's kernel library,
+            native code the process loads (a few hundred KB), is checked in every mode when
+            :attr:`custom_ops_path` is first asked for (a damaged one would crash the
+            process that maps it instead of raising).
 
     Attributes:
         root: the directory.
@@ -223,6 +226,7 @@ class Artifact:
         mode = {True: "full", False: "none"}.get(verify, verify)
         if mode not in ("quick", "full", "none"):
             raise ArtifactError(f"verify must be quick, full or none, got {verify!r}")
+        self._library_checked = mode != "none"
         if mode != "none":
             self.verify_files(full=mode == "full")
 
@@ -234,15 +238,19 @@ class Artifact:
             ArtifactError: naming the first missing, resized or mismatching file.
         """
         for name, entry in self.spec.files.items():
-            f = self.root / name
-            if not f.is_file():
-                raise ArtifactError(f"{f} is listed in the manifest but missing")
-            size = f.stat().st_size
-            if size != entry.bytes:
-                raise ArtifactError(f"size mismatch for {name}: {size:,} bytes, the manifest says {entry.bytes:,}; "
-                                    "rebuild the artifact")
-            if hashes and (full or size <= QUICK_HASH_LIMIT) and sha256_file(f) != entry.sha256:
-                raise ArtifactError(f"checksum mismatch for {name}: the file differs from the manifest; rebuild the artifact")
+            self._verify_file(name, entry, hashes and (full or entry.bytes <= QUICK_HASH_LIMIT))
+
+    def _verify_file(self, name: str, entry, digest: bool) -> None:
+        """One listed file: present, of its recorded size and (``digest``) its recorded sha256."""
+        f = self.root / name
+        if not f.is_file():
+            raise ArtifactError(f"{f} is listed in the manifest but missing")
+        size = f.stat().st_size
+        if size != entry.bytes:
+            raise ArtifactError(f"size mismatch for {name}: {size:,} bytes, the manifest says {entry.bytes:,}; "
+                                "rebuild the artifact")
+        if digest and sha256_file(f) != entry.sha256:
+            raise ArtifactError(f"checksum mismatch for {name}: the file differs from the manifest; rebuild the artifact")
 
     def verify_checksums(self) -> None:
         """Every file's full sha256 (see :meth:`verify_files`)."""
@@ -258,8 +266,9 @@ class Artifact:
         ``--kernels lade``; :mod:`lade_export.kernels`), or None.
 
         Raises:
-            ArtifactError: the name is absolute, leaves the artifact, or is not in ``files``
-                (whose sha256 ``verify_files`` checks before anything loads it)."""
+            ArtifactError: the name is absolute, leaves the artifact, or is not in ``files``;
+                or (opened with ``verify="none"``) the file is missing or not of its
+                recorded size and sha256 (``verify_files`` checks it in the other modes)."""
         name = self.spec.graph.custom_ops
         if not name:
             return None
@@ -268,6 +277,9 @@ class Artifact:
                 or name not in self.spec.files:
             raise ArtifactError(f"{self.root / 'manifest.json'}: graph.custom_ops {name!r} is not a file of the "
                                 "artifact listed in its files; rebuild with lade-export build")
+        if not self._library_checked:
+            self._verify_file(name, self.spec.files[name], True)
+            self._library_checked = True
         return self.root / name
 
     @property

@@ -876,6 +876,24 @@ def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_damaged_library_is_refused_even_without_verification(tmp_path, stories_lade):
+    """``verify=False`` skips the weights' checks, not the kernel library's: native code that is
+    not the build's (here the same size, one byte changed; or truncated) is refused by name before
+    ONNX Runtime maps it, where it could crash the process."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(stories_lade, copy)
+    data = bytearray((copy / LIBRARY).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / LIBRARY).write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"checksum mismatch for kernels/liblade_kernels\.so"):
+        lade_export.load(copy, verify=False)
+    (copy / LIBRARY).write_bytes(bytes(data[:4096]))
+    with pytest.raises(ArtifactError, match=r"size mismatch for kernels/liblade_kernels\.so: 4,096 bytes"):
+        lade_export.load(copy, verify="none")
+
+
 def test_inspect_does_not_load_a_library_that_is_not_the_one_built(tmp_path, stories_lade):
     """A truncated kernel library can crash the process that maps it (a bus error, not an
     OSError), so inspect loads it only when its size and sha256 are the manifest's: here it reports

@@ -242,7 +242,10 @@ def inspect(artifact_dir, as_json):
         where = f" ({m.graph.custom_ops})" if m.graph.custom_ops else ""
         if spec.kernels == "lade":  # compute type, the paths the library holds (older builds: unlisted), this CPU's
             paths = ((library.paths if library is not None else None) or {}).get(spec.compute)
-            here = _path_here(artifact.custom_ops_path, spec.compute, m.files.get(m.graph.custom_ops))
+            try:  # a library that is not the build's is not loaded: the file check below names it
+                here = _path_here(artifact.custom_ops_path, spec.compute, m.files.get(m.graph.custom_ops))
+            except ArtifactError:
+                here = None
             built = library.path_at_build if library is not None else None
             where = (f" ({m.graph.custom_ops}; {spec.compute} compute"
                      + (f", paths {', '.join(paths)}" if paths else "")
