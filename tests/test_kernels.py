@@ -865,8 +865,6 @@ def test_int8_with_float32_compute_lade_kernels_is_exact_and_looks_ahead(tmp_pat
 
 
 def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(stories_lade, copy)
     (copy / LIBRARY).unlink()
@@ -880,8 +878,6 @@ def test_a_damaged_library_is_refused_even_without_verification(tmp_path, storie
     """``verify=False`` skips the weights' checks, not the kernel library's: native code that is
     not the build's (here the same size, one byte changed; or truncated) is refused by name before
     ONNX Runtime maps it, where it could crash the process."""
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(stories_lade, copy)
     data = bytearray((copy / LIBRARY).read_bytes())
@@ -898,8 +894,6 @@ def test_inspect_does_not_load_a_library_that_is_not_the_one_built(tmp_path, sto
     """A truncated kernel library can crash the process that maps it (a bus error, not an
     OSError), so inspect loads it only when its size and sha256 are the manifest's: here it reports
     the mismatch in its file check, in a process that lives to exit 2."""
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(stories_lade, copy)
     whole = (stories_lade / LIBRARY).read_bytes()
@@ -1024,8 +1018,6 @@ def test_check_reports_a_quantized_graph_without_holding_it_to_float32_bounds(st
 
 
 def test_torch_backend_and_foreign_libraries_are_refused(tmp_path, stories_lade):
-    import shutil
-
     result = CliRunner().invoke(main, ["generate", str(stories_lade), "--prompt", "Once", "--backend", "torch"])
     assert result.exit_code == 2
     assert result.stderr.strip().startswith("error: --backend torch runs the float32 checkpoint (")

@@ -159,22 +159,19 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
             sys.exit(1)
 
 
-def _path_here(library, compute: str, entry=None) -> str | None:
+def _path_here(library, compute: str) -> str | None:
     """What ``inspect`` says of the path the kernel library takes in this process: "this CPU
-    takes <path>", the reason ``$LADE_KERNELS_PATH`` cannot be honoured, or None when the
-    library is missing, is not the file the manifest records (``entry``: its size and sha256;
-    a truncated library can crash the process that loads it) or cannot be loaded (the file
-    check below reports it)."""
-    from ..artifact import sha256_file
+    takes <path>", the reason ``$LADE_KERNELS_PATH`` cannot be honoured, or None when there is
+    no library or it cannot be loaded. ``library``: ``Artifact.custom_ops_path``, which has
+    checked the file's size and sha256 against the manifest (a truncated library can crash the
+    process that loads it)."""
     from ..kernels import running_path
 
-    if library is None or not Path(library).is_file():
-        return None
-    if entry is not None and (Path(library).stat().st_size != entry.bytes or sha256_file(library) != entry.sha256):
+    if library is None:
         return None
     try:
         chosen = running_path(library, compute)
-    except OSError:  # not a loadable library (truncated, another platform's)
+    except OSError:  # not a loadable library (another platform's)
         return None
     return chosen[len("error: "):] if chosen.startswith("error: ") else f"this CPU takes {chosen}"
 
@@ -243,7 +240,7 @@ def inspect(artifact_dir, as_json):
         if spec.kernels == "lade":  # compute type, the paths the library holds (older builds: unlisted), this CPU's
             paths = ((library.paths if library is not None else None) or {}).get(spec.compute)
             try:  # a library that is not the build's is not loaded: the file check below names it
-                here = _path_here(artifact.custom_ops_path, spec.compute, m.files.get(m.graph.custom_ops))
+                here = _path_here(artifact.custom_ops_path, spec.compute)
             except ArtifactError:
                 here = None
             built = library.path_at_build if library is not None else None

@@ -1287,30 +1287,23 @@ __attribute__((target("avx512f,fma"))) void scores16_avx512(const float* q, cons
     acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_maskz_loadu_ps(lanes, col + e * stride), acc);
   _mm512_mask_storeu_ps(dst, lanes, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
 }
-// The same for a full block (16 keys) of each of `blocks` ≤ 2 blocks (cols[b], dst[b]), as two
-// 8-lane halves: 2·blocks independent FMA chains.
-__attribute__((target("avx2,fma"))) void scores16_avx2(const float* q, const float* const* cols, const int64_t* stride,
-                                                       int blocks, int64_t d, float scale, float* const* dst) {
-  __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
-  if (blocks == 2) {
-    for (int64_t e = 0; e < d; ++e) {
-      const __m256 qe = _mm256_set1_ps(q[e]);
-      const float *a = cols[0] + e * stride[0], *b = cols[1] + e * stride[1];
-      acc[0][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a), acc[0][0]);
-      acc[0][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a + 8), acc[0][1]);
-      acc[1][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(b), acc[1][0]);
-      acc[1][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(b + 8), acc[1][1]);
-    }
-  } else {
-    for (int64_t e = 0; e < d; ++e) {
-      const __m256 qe = _mm256_set1_ps(q[e]);
-      const float* a = cols[0] + e * stride[0];
-      acc[0][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a), acc[0][0]);
-      acc[0][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(a + 8), acc[0][1]);
+// The same for NB ≤ 2 full blocks (16 keys each; cols[b], dst[b], one stride), each as two 8-lane
+// halves: 2·NB independent FMA chains.
+template <int NB>
+__attribute__((target("avx2,fma"))) void scores16_avx2(const float* q, const float* const* cols, int64_t stride,
+                                                       int64_t d, float scale, float* const* dst) {
+  __m256 acc[NB][2];
+  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    const __m256 qe = _mm256_set1_ps(q[e]);
+    for (int b = 0; b < NB; ++b) {
+      const float* k = cols[b] + e * stride;
+      acc[b][0] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k), acc[b][0]);
+      acc[b][1] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + 8), acc[b][1]);
     }
   }
   const __m256 sc = _mm256_set1_ps(scale);
-  for (int b = 0; b < blocks; ++b) {
+  for (int b = 0; b < NB; ++b) {
     _mm256_storeu_ps(dst[b], _mm256_mul_ps(acc[b][0], sc));
     _mm256_storeu_ps(dst[b] + 8, _mm256_mul_ps(acc[b][1], sc));
   }
@@ -1323,19 +1316,18 @@ __attribute__((target("avx512f,fma"))) int64_t values_avx512(float weight, const
     _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(value + e), _mm512_loadu_ps(out + e)));
   return e;
 }
-__attribute__((target("avx2,fma"))) int64_t values_avx2(float weight, const float* value, float* out, int64_t d) {
+
+// 8 values from float32, or from float16 widened exactly (F16C).
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) int64_t values_avx2(float weight, const T* value, float* out, int64_t d) {
   int64_t e = 0;
   for (; e + 8 <= d; e += 8)
-    _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_set1_ps(weight), _mm256_loadu_ps(value + e), _mm256_loadu_ps(out + e)));
-  return e;
-}
-// The same with float16 values, widened exactly (F16C).
-__attribute__((target("avx2,fma,f16c"))) int64_t values_avx2(float weight, const uint16_t* value, float* out, int64_t d) {
-  int64_t e = 0;
-  for (; e + 8 <= d; e += 8) {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(value + e)));
-    _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_set1_ps(weight), v, _mm256_loadu_ps(out + e)));
-  }
+    _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_set1_ps(weight), load8(value + e), _mm256_loadu_ps(out + e)));
   return e;
 }
 #endif
@@ -1417,9 +1409,8 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
           continue;
         }
         const float* cols[2] = {pending, col};
-        const int64_t strides[2] = {stride, stride};
         float* const dst[2] = {pending_dst, scores.data() + at + j0};
-        scores16_avx2(q, cols, strides, 2, d, job.scale, dst);
+        scores16_avx2<2>(q, cols, stride, d, job.scale, dst);
         pending = nullptr;
         continue;
       }
@@ -1431,10 +1422,7 @@ void attention_row(const AttnJob& job, int64_t index, std::vector<float>& scores
       }
     }
 #ifdef LADE_X86
-    if (MODE == 2 && pending != nullptr) {
-      const int64_t strides[1] = {tiled ? kKeys : n};
-      scores16_avx2(q, &pending, strides, 1, d, job.scale, &pending_dst);
-    }
+    if (MODE == 2 && pending != nullptr) scores16_avx2<1>(q, &pending, tiled ? kKeys : n, d, job.scale, &pending_dst);
 #endif
   }
   const float sum = softmax_row<MODE>(job, masked, seen, scores.data());
@@ -1856,10 +1844,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) bool tile16_avx512(cons
   return false;
 }
 
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const uint16_t* p) {  // 8 float16 → float (exact)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // AVX2: a full block (width 16) with D a multiple of 8, in 8 × 8 transposes.
 template <typename T>
