@@ -238,9 +238,14 @@ class LookaheadState(GreedyState):
         level's argmax predictions go into the pool as n-grams, the levels shift up and
         the predictions become the last level (the paper's Algorithm 1).
 
+        A step with neither window nor trie (a one-token step) is verified as
+        :class:`GreedyState` verifies one: the same choice, its one row kept (None).
+
         Returns:
             ``(proposed tokens, kept rows)`` before the stop rules.
         """
+        if layout.window == 0 and not layout.trie_tokens:
+            return [self.rule.choose(outputs, 0, [])[0]], None
         accepted: list[int] = []
         kept = [0]
         node = -1
@@ -252,7 +257,8 @@ class LookaheadState(GreedyState):
             kept.append(layout.trie_base + child)
             node = child
         w = layout.window
-        self._advance_window(outputs["next_token_ids"][0, 1: 1 + w])
+        if w:
+            self._advance_window(outputs["next_token_ids"][0, 1: 1 + w])
         return accepted, np.asarray(kept, dtype=np.int64)
 
     def _advance_window(self, last_level_preds: np.ndarray) -> None:
@@ -271,6 +277,8 @@ class LookaheadState(GreedyState):
         """Append newly accepted tokens to the sequence and add the n-grams that end in
         them to the pool (they are verified text)."""
         super().observe(accepted)
+        if self.pool.capacity == 0:  # G = 0: the pool keeps nothing
+            return
         n = self.levels + 1
         tail = self.sequence[-(n - 1 + len(accepted)):]
         self.pool.insert_sequence(tail)

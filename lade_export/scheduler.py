@@ -89,7 +89,8 @@ import numpy as np
 
 from .detokenize import TextStream
 from .errors import GenerationError
-from .lookahead import StopRules, new_state
+from .lookahead import ONE_TOKEN, StopRules, new_state
+from .ngram import StepLayout
 from .packed import PackedItem, TokenPool, item_outputs, pack
 from .profile import LookaheadProfile
 from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
@@ -106,6 +107,15 @@ MAX_BATCH = 8
 MAX_UNREAD = 64
 #: Default width policy (why: docs/serving.md, *Lookahead width under load*, measured with bench/serve_batched.py).
 WIDTH_POLICY = "adaptive"
+
+#: With the adaptive policy, a greedy lookahead request whose steps could not be widened at
+#: their best is given one-token steps without its candidates being looked up; one step in
+#: this many is prepared anyway (its trie then measured in hindsight: see
+#: :meth:`Scheduler._prepare`).
+PREPARE_EVERY = 8
+
+ONE_TOKEN_OPTION = Option("one-token", ONE_TOKEN, 1, 1.0)
+
 
 class PassRecord(NamedTuple):
     """One pass of a scheduler's timeline (``Scheduler(timeline=True)``: ``scheduler.timeline``,
@@ -154,7 +164,7 @@ class _Request:
 
     __slots__ = ("id", "prompt", "state", "text", "stats", "out", "cancel", "deadline", "closed", "t0", "t1",
                  "prefilled", "cache_len", "layout", "histogram", "engine_s", "max_step", "need", "error",
-                 "width", "widest", "depth", "acceptance", "full", "menu")
+                 "width", "widest", "depth", "acceptance", "full", "menu", "widened", "unprepared")
 
     def __init__(self, rid, prompt, state, text, stats, cancel, deadline, max_step, need):
         self.id = rid
@@ -182,6 +192,8 @@ class _Request:
         self.widest = False  # whether it is the widest of several classes the request had this pass
         self.depth = 0  # tokens of the deepest candidate of the prepared step
         self.acceptance = None  # the adaptive width policy's record of this request
+        self.widened = None  # extra tokens the policy expected of this pass's step, when it widened it
+        self.unprepared = 0  # its decode steps in a row given a one-token step without being prepared
 
     @property
     def ready(self) -> bool:
@@ -461,11 +473,7 @@ class Scheduler:
                     continue
                 if req.t1 is None:
                     req.t1 = time.perf_counter()
-                if req.full is None:  # the profile's step: one prepare per decode step (kept when deferred)
-                    req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
-                req.layout = req.full  # as the pass runs it; the adaptive policy cuts narrower classes below
-                req.width = "profile" if hasattr(req.state, "profile") else "one-token"
-            except Exception as err:  # the request's own objects (its cancel event, its state) failed
+            except Exception as err:  # the request's own objects (its cancel event) failed
                 self._fail(req, err)
                 continue
             steps.append(req)
@@ -474,6 +482,7 @@ class Scheduler:
                 # takes such a step as a first prompt, with positions 0 … step−1 whatever
                 # position_ids say, so a second request's rows would get the wrong positions.
                 break
+        steps = self._prepare(steps, adaptive)
         if adaptive and steps:
             steps = self._narrow(steps)
         items, rows = [], 0
@@ -506,6 +515,51 @@ class Scheduler:
             rows += n
         return items
 
+    def _prepare(self, steps: list, adaptive: bool) -> list:
+        """Prepare every decode step of the pass that is not prepared yet (a step deferred by
+        the token budget keeps its layout): its profile's step, once per decode step; with the
+        adaptive policy and several steps, a greedy lookahead request whose step could not be
+        widened even at its best (:meth:`AdaptiveWidth.worth_preparing`) gets a one-token step
+        without its candidates being looked up (one in :data:`PREPARE_EVERY` of such steps is
+        prepared anyway, so that its acceptance keeps being measured in hindsight). Returns
+        the requests still stepping (one whose ``prepare`` raises fails alone)."""
+        policy = self.width_policy
+        lean = []  # greedy lookahead requests the policy may leave unprepared
+        if adaptive and len(steps) > 1 and hasattr(policy, "worth_preparing"):
+            lean = [req for req in steps if req.full is None and hasattr(req.state, "profile")
+                    and isinstance(req.state.rule, GreedyRule)]
+        kept = []
+        for req in steps:
+            if req.full is None and not (lean and req in lean):
+                try:
+                    req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
+                except Exception as err:  # the request's own state failed
+                    self._fail(req, err)
+                    continue
+            kept.append(req)
+        if lean:
+            rows = sum(1 if req in lean else req.full.step for req in kept)
+            deepest = max(max(req.state.profile.lookup, req.state.levels) for req in lean)
+            need = policy.preparation_bar(rows, len(kept), self._attended([req.cache_len for req in kept]), deepest)
+            for req in lean:
+                if req.acceptance is None:
+                    req.acceptance = policy.tracker()
+                try:
+                    if req.unprepared + 1 >= PREPARE_EVERY or policy.worth_preparing(
+                            req.acceptance, req.state.profile, need):
+                        req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
+                        req.unprepared = 0
+                    else:
+                        req.full = StepLayout.single(req.state.sequence[-1], req.cache_len)
+                        req.unprepared += 1
+                except Exception as err:  # the request's own state failed
+                    self._fail(req, err)
+                    kept.remove(req)
+        for req in kept:
+            req.layout = req.full  # as the pass runs it; the adaptive policy cuts narrower classes later
+            req.width = "profile" if hasattr(req.state, "profile") else "one-token"
+        return kept
+
     def _attended(self, cache_lens: list) -> int:
         """The cached tokens a row of this pass attends over, for the step-cost curve's
         ``rows × context`` term: the whole pool when every row's scores span it (the compact
@@ -525,6 +579,7 @@ class Scheduler:
             lay = req.full
             req.depth = int(lay.position_ids[lay.trie_base:].max()) - lay.past_len if len(lay.trie_tokens) else 0
             req.menu = ()
+            req.widened = None
         policy = self.width_policy
         if len(steps) == 1:  # a request alone keeps its profile's step: what it does without a scheduler
             steps[0].widest = True
@@ -537,6 +592,9 @@ class Scheduler:
             trie = len(lay.trie_tokens)
             if not hasattr(state, "profile") or not isinstance(state.rule, GreedyRule):
                 menus.append([Option(req.width, None, lay.step, req.acceptance.expected(req.width, depth))])
+                continue
+            if lay.step == 1:  # no window, no candidates (or not prepared): a one-token step is all it has
+                menus.append([ONE_TOKEN_OPTION])
                 continue
             menu = []
             for width, cap in width_caps(state.profile):
@@ -564,6 +622,8 @@ class Scheduler:
                     continue
             req.width = opt.width
             req.widest = len(menu) > 1 and k == len(menu) - 1
+            if k > 0:  # the policy's bet: what it expected of the step beyond its narrowest class
+                req.widened = opt.tokens - menu[0].tokens
             if len(req.layout.trie_tokens) < len(req.full.trie_tokens):  # its trie goes unverified: judged later
                 req.menu = tuple(o.width for o in menu if o.width != "one-token")
             kept.append(req)
@@ -624,6 +684,10 @@ class Scheduler:
                 self.width_steps[req.width] += 1
                 if req.acceptance is not None and isinstance(req.state.rule, GreedyRule):
                     req.acceptance.observe(req.width, len(verdict.accepted), req.depth, req.widest)
+                    observe = getattr(self.width_policy, "observe_widened", None)
+                    if req.widened is not None and observe is not None:  # its bet against what it won
+                        observe(req.widened, len(verdict.accepted) - 1)
+                    req.widened = None
                     if req.menu:  # what the classes that verify the whole trie would have accepted
                         req.acceptance.defer(length, full, req.depth, req.menu)
                         req.menu = ()

@@ -20,13 +20,20 @@ int8 kernels' curve on SmolLM2 at 256 and 1024 cached tokens in
 least squares over the last 256 decode passes plus the prior's pseudo-passes, refitted
 after 2, 4, 8 … passes and then every 64, lazily (when a choice needs it), with passes
 more than 3 MADs above the fit dropped (a preempted pass on a shared machine) and
-coefficients kept ≥ 0. :class:`CostCurve` is a fixed curve (deterministic: tests inject
-one).
+coefficients kept ≥ 0. The line is only a shape: on a CPU engine a pass's cost is convex in
+its rows (SmolLM2 int4 at two threads, one request: a row adds ~0.45 ms up to 4 rows and
+~0.7–1.2 ms beyond), and a scheduler's passes sit mostly at a few sizes (its concurrency), so
+the line through all of them overprices the common size and with it the pass's tokens per
+second the policy compares against. A size with :data:`MEASURED_MIN` recent passes of its
+own is therefore priced by their median (moved to the asked context along the fitted ``c``);
+what rows add to a pass (:meth:`OnlineCostCurve.extra`) is never less than the line says.
+:class:`CostCurve` is a fixed curve (deterministic: tests inject one).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 import numpy as np
@@ -35,6 +42,11 @@ from .errors import GenerationError
 
 #: Prior step-cost shape (a, b, c) in one-token-step units (see the module docstring).
 PRIOR_COST = (1.0, 0.17, 5e-4)
+
+#: A pass size (rows) measured this many times is priced by its own recent passes (their
+#: median), not by the fitted line; the most recent ``MEASURED_KEPT`` of a size are kept.
+MEASURED_MIN = 8
+MEASURED_KEPT = 32
 
 
 class CostCurve:
@@ -60,6 +72,15 @@ class CostCurve:
     def __call__(self, rows: int, context: int = 0) -> float:
         """Seconds of a pass of ``rows`` rows over ``context`` cached pool tokens."""
         return self.a + rows * (self.b + self.c * context)
+
+    def extra(self, rows: int, more: int, context: int = 0) -> float:
+        """Seconds that ``more`` rows add to a pass of ``rows`` rows over ``context`` cached tokens."""
+        return self(rows + more, context) - self(rows, context)
+
+    def extras(self, rows: int, most: int, context: int = 0) -> list[float]:
+        """``[extra(rows, d, context) for d in 1 … most]`` (the pass itself priced once)."""
+        base = self(rows, context)
+        return [self(rows + d, context) - base for d in range(1, most + 1)]
 
     def observe(self, rows: int, context: int, seconds: float) -> None:
         """A measured pass (a fixed curve ignores it)."""
@@ -89,6 +110,25 @@ class OnlineCostCurve(CostCurve):
         self.refit_every = refit_every
         self.prior_weight = prior_weight
         self._since = 0
+        self._by_rows: dict = {}  # rows -> deque of (context, seconds) of its recent passes
+        self._medians: dict = {}  # rows -> median of (seconds − c·rows·context) of its passes (cached)
+
+    def fitted(self, rows: int, context: int = 0) -> float:
+        """Seconds of a pass by the fitted line alone (``a + b·rows + c·rows·context``)."""
+        self._refit_if_due()
+        return super().__call__(rows, context)
+
+    def extra(self, rows: int, more: int, context: int = 0) -> float:
+        """Seconds that ``more`` rows add to a pass of ``rows`` rows: the difference of
+        :meth:`__call__` at the two sizes, and never less than the fitted line's (a size
+        measured on its own and one extrapolated may disagree; the dearer reading stands)."""
+        return max(self(rows + more, context) - self(rows, context),
+                   self.fitted(rows + more, context) - self.fitted(rows, context))
+
+    def extras(self, rows: int, most: int, context: int = 0) -> list[float]:
+        """``[extra(rows, d, context) for d in 1 … most]``, the pass itself priced once."""
+        base, slope = self(rows, context), self.b + self.c * context
+        return [max(self(rows + d, context) - base, slope * d) for d in range(1, most + 1)]
 
     def observe(self, rows: int, context: int, seconds: float) -> None:
         """Add a measured decode pass: ``rows`` rows over ``context`` pool tokens took
@@ -97,13 +137,27 @@ class OnlineCostCurve(CostCurve):
             return
         self.samples.append((rows, context, seconds))
         self._since += 1
+        self._by_rows.setdefault(rows, deque(maxlen=MEASURED_KEPT)).append((context, seconds))
+        self._medians.pop(rows, None)
 
     def __call__(self, rows: int, context: int = 0) -> float:
+        """Seconds of a pass of ``rows`` rows over ``context`` cached tokens: the median of
+        its size's recent passes where at least :data:`MEASURED_MIN` were measured (each moved
+        to ``context`` along the fitted ``c``), else the fitted line."""
+        self._refit_if_due()
+        seen = self._by_rows.get(rows)
+        if seen is not None and len(seen) >= MEASURED_MIN:
+            at = self._medians.get(rows)
+            if at is None:
+                at = self._medians[rows] = statistics.median(t - self.c * rows * ctx for ctx, t in seen)
+            return at + self.c * rows * context
+        return super().__call__(rows, context)
+
+    def _refit_if_due(self) -> None:
         # Due when the new passes are half of those kept (fits at 2, 4, 8 … passes) or refit_every.
         if self._since and self._since >= min(self.refit_every, max(1, len(self.samples) // 2)):
             self._since = 0
             self.refit()
-        return super().__call__(rows, context)
 
     def refit(self) -> None:
         """Refit ``a, b, c`` to the kept passes and the scaled prior."""
@@ -128,15 +182,19 @@ class OnlineCostCurve(CostCurve):
             keep = resid <= 3 * mad if mad > 0 else np.ones(len(y), dtype=bool)
         if coef[0] + coef[1] > 0:
             self.a, self.b, self.c = (float(v) for v in coef)
+            self._medians.clear()
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted least squares with every coefficient ≥ 0 (three unknowns: the best
     feasible fit over the subsets of free coefficients)."""
     sw = np.sqrt(w)[:, None]
+    full, *_ = np.linalg.lstsq(x * sw, y * sw[:, 0], rcond=None)
+    if np.all(full >= 0):  # the unconstrained optimum is feasible: it is the constrained one
+        return full
     best, best_err = np.zeros(x.shape[1]), math.inf
     n = x.shape[1]
-    for mask in range(1, 1 << n):
+    for mask in range(1, (1 << n) - 1):
         cols = [j for j in range(n) if mask >> j & 1]
         sol, *_ = np.linalg.lstsq(x[:, cols] * sw, y * sw[:, 0], rcond=None)
         if np.any(sol < 0):

@@ -66,14 +66,42 @@ current tokens per second by ``margin`` (5%) and the rows fit the token budget (
 curve prices at nothing are taken whenever they fit, even for no more expected tokens: a
 window's rows add n-grams to the pool). This maximizes the pass's expected tokens per
 second (greedily); the start is batched greedy and every move is expected to beat it, so the
-policy does not lose to batched greedy unless its estimates are wrong. At low load a
-request that accepts a lot keeps its profile's width; as passes fill up the marginal rows
-cost more than they bring and requests fall back to one-token steps. Exploration
-(``explore_every`` > 0; off by default since acceptance is measured in hindsight): a
-request's first step, and one step after every ``explore_every`` narrower ones, is its
-widest class whatever the estimate (budget permitting). On the int4 integer path, where a
-row costs a sizeable share of a one-token pass, exploring every 32 steps cost more than it
-brought (the figures: ``bench/results/design-figures.md``, *Adaptive width*).
+policy does not lose to batched greedy unless its estimates are wrong (below: how they are
+kept honest). At low load a request that accepts a lot keeps its profile's width; as passes
+fill up the marginal rows cost more than they bring and requests fall back to one-token steps.
+Exploration (``explore_every`` > 0; off by default since acceptance is measured in
+hindsight): a request's first step, and one step after every ``explore_every`` narrower
+ones, is its widest class whatever the estimate (budget permitting). On the int4 integer
+path, where a row costs a sizeable share of a one-token pass, exploring every 32 steps cost
+more than it brought (the figures: ``bench/results/design-figures.md``, *Adaptive width*).
+
+Calibration. The requests the policy widens are those whose recent steps accepted the most,
+and those regress: on SmolLM2's int4 engine, chat prompts at 2–8 requests, its widened
+steps accepted 0.5–0.6 of the extra tokens expected of them, and the passes it widened made
+fewer tokens per second than batched greedy's. So the policy keeps the ratio of extra tokens
+its widened steps accepted to those it expected (decayed over ≈ 20 widened steps, starting
+from 1 with the weight of :data:`CALIBRATION_PRIOR` tokens, clamped to [0.1, 2]:
+:attr:`AdaptiveWidth.calibration`) and multiplies every expected gain by it. What it learnt
+fades over choices that widen nothing (:data:`CALIBRATION_THAW`), so a ratio learnt under
+one load is tried again later. The cost side is measured the same way: a pass size the
+scheduler ran often is priced by its own recent passes, not by the fitted line
+(:meth:`~lade_export.width_cost.OnlineCostCurve.__call__`).
+
+Steps not prepared. Preparing a history-lookup step (looking its candidates up, building its
+trie and layout) and cutting it down again is host work a batched greedy step does not do
+(SmolLM2's int4 engine at 4 requests: ~0.7 ms a pass outside the engine against batched
+greedy's ~0.45, of a ~5 ms pass), the main reason ``default-int4`` lost to batched greedy
+there. So before a pass's steps are prepared, the
+scheduler asks :meth:`AdaptiveWidth.worth_preparing` of each greedy request whose profile
+has no Jacobi window: if even the best case its acceptance allows (a single chain of ``d``
+candidate tokens, ``d`` up to its profile's deepest, each accepted at its measured rate,
+calibrated) could not beat the bar :meth:`choose` would set
+(:meth:`AdaptiveWidth.preparation_bar`), its step is a one-token step and its
+candidates are not looked up. One such step in ``PREPARE_EVERY`` (8) of a request is
+prepared anyway, so its trie is judged in hindsight and its acceptance keeps being measured
+(a request whose text turns repetitive is noticed). Greedy output is the same at any width,
+so this changes no token; the history index catches up on the tokens it skipped at the next
+lookup.
 """
 
 from __future__ import annotations
@@ -94,6 +122,14 @@ __all__ = ["PRIOR_ACCEPT", "PRIOR_COST", "WIDTHS", "Acceptance", "AdaptiveWidth"
 
 #: Width classes, narrowest first.
 WIDTHS = ("one-token", "candidates", "half-window", "profile")
+
+#: Calibration (:attr:`AdaptiveWidth.calibration`): weight of its prior ratio 1.0, in extra
+#: tokens; decay per widened step observed (memory ≈ 20 steps); decay per choice (a pass
+#: where some request could widen: ≈ 350 of them without a widened step halve what was
+#: measured, so a calibration learnt under one load is tried again later).
+CALIBRATION_PRIOR = 2.0
+CALIBRATION_MEMORY = 0.95
+CALIBRATION_THAW = 0.998
 
 #: Prior chance that a candidate token is accepted after its prefix was (before any request
 #: ran the class; see :class:`~lade_export.width_acceptance.Acceptance`).
@@ -216,6 +252,24 @@ class AdaptiveWidth:
         self.memory = memory
         self.prior_steps = prior_steps
         self._pooled = {k: [2.0 * v, 2.0 * (1.0 - v)] for k, v in {**PRIOR_ACCEPT, **(prior or {})}.items()}
+        self._widened = [0.0, 0.0]  # decayed [extra tokens accepted, extra tokens expected] of widened steps
+        self._bars: dict = {}  # (rows, tokens, depth) -> [uses left, need]
+
+    @property
+    def calibration(self) -> float:
+        """Extra tokens the policy's widened steps accepted per extra token it expected of
+        them (decayed; 1.0 before any, clamped to [0.1, 2]): the factor its expected gains
+        are multiplied by in :meth:`choose` (the module docstring, *Calibration*)."""
+        got, expected = self._widened
+        w = CALIBRATION_PRIOR
+        return min(max((got + w) / (expected + w), 0.1), 2.0)
+
+    def observe_widened(self, expected: float, accepted: float) -> None:
+        """A step this policy widened (chose a class above the request's narrowest) expected
+        ``expected`` extra tokens over the narrowest class (uncalibrated, as its :class:`Option`
+        said) and accepted ``accepted`` extra tokens (its tokens − the narrowest class's)."""
+        got, exp = self._widened
+        self._widened = [CALIBRATION_MEMORY * got + max(accepted, 0.0), CALIBRATION_MEMORY * exp + max(expected, 0.0)]
 
     def tracker(self) -> Acceptance:
         """A new request's acceptance record."""
@@ -235,6 +289,59 @@ class AdaptiveWidth:
         """A measured decode pass, for the cost curve."""
         self.cost.observe(rows, context, seconds)
 
+    def preparation_bar(self, rows: int, tokens: float, context: int, depth: int) -> list[float]:
+        """What a greedy lookahead request's best case must reach for its step to be worth
+        preparing in a pass whose decode steps at their narrowest have ``rows`` rows and
+        expect ``tokens`` tokens: ``need[d − 1]``, for a trie ``d`` tokens deep (``d`` ≤
+        ``depth``), is the fewest expected extra tokens (uncalibrated) that ``d`` extra rows
+        must bring to beat ``1 + margin`` times the pass's tokens per second — the lowest bar
+        :meth:`choose` sets, rows costing least on the narrowest pass (the curve being convex
+        or linear). Computed for a pass and reused by the next 15 passes of the same rows,
+        tokens and depth (the curve, the context and the calibration move slowly);
+        :meth:`worth_preparing` compares a request with it.
+
+        Args:
+            rows: rows of the pass's decode steps at their narrowest (≥ 1).
+            tokens: tokens they expect (one per one-token step).
+            context: cached tokens a row attends over (as :meth:`choose`'s).
+            depth: the deepest trie to price (the pass's deepest profile candidate).
+        """
+        key = (rows, tokens, depth)
+        kept = self._bars.get(key)
+        if kept is not None and kept[0] > 0:  # the same pass shape lately: reused for 16 passes
+            kept[0] -= 1
+            return kept[1]
+        bar = (1 + self.margin) * tokens / self.cost(rows, context) / self.calibration
+        need = [bar * max(extra, 0.0) for extra in self.cost.extras(rows, depth, context)]
+        self._bars[key] = [15, need]
+        return need
+
+    def worth_preparing(self, tracker: Acceptance, profile, need: list[float]) -> bool:
+        """Whether a greedy lookahead request's step could be widened at all this pass: False
+        when even its best case — its trie a single chain, ``d`` tokens deep for some ``d`` up
+        to its profile's deepest candidate, each token accepted with its ``profile`` class
+        rate ``α`` — expects fewer extra tokens than ``need[d − 1]`` (:meth:`preparation_bar`).
+        Such a step is a one-token step whatever its candidates, so the scheduler need not
+        look them up or build its trie (``Scheduler._prepare``). Profiles with a Jacobi window
+        are always prepared (their window rows feed the pool and may be free).
+
+        Args:
+            tracker: the request's :class:`Acceptance`.
+            profile: its :class:`~lade_export.profile.LookaheadProfile`.
+            need: :meth:`preparation_bar` of the pass.
+        """
+        if profile.window > 0:
+            return True
+        depth = min(max(profile.lookup, profile.levels if profile.guesses > 0 else 0), len(need))
+        a = min(tracker.rate("profile"), 0.999)  # W = 0: "profile" is its only class above one token
+        gain, term = 0.0, 1.0
+        for d in range(depth):
+            term *= a
+            gain += term
+            if gain > need[d]:
+                return True
+        return False
+
     def choose(self, menus: list, context: int, budget: int, trackers: list | None = None) -> list[int]:
         """The option index of every request for one pass.
 
@@ -249,6 +356,9 @@ class AdaptiveWidth:
         Returns:
             ``[index into menus[i]]``.
         """
+        got, exp = self._widened  # every choice forgets a little: a calibration learnt under one load thaws
+        self._widened = [CALIBRATION_THAW * got, CALIBRATION_THAW * exp]
+        scale = self.calibration
         pick = [0] * len(menus)
         rows = sum(m[0].rows for m in menus)
         for i, menu in enumerate(menus):  # exploration first: requests due for their widest step
@@ -257,7 +367,7 @@ class AdaptiveWidth:
                 if rows + extra <= budget:
                     pick[i] = len(menu) - 1
                     rows += extra
-        tokens = sum(m[k].tokens for m, k in zip(menus, pick))
+        tokens = sum(m[0].tokens + scale * (m[k].tokens - m[0].tokens) for m, k in zip(menus, pick))
         cost = self.cost(rows, context)
         while True:
             best = None
@@ -266,10 +376,10 @@ class AdaptiveWidth:
                 for j in range(pick[i] + 1, len(menu)):
                     opt = menu[j]
                     extra_rows = opt.rows - cur.rows
-                    gain = opt.tokens - cur.tokens
+                    gain = scale * (opt.tokens - cur.tokens)
                     if extra_rows <= 0 or gain < 0 or rows + extra_rows > budget:
                         continue
-                    extra_cost = self.cost(rows + extra_rows, context) - cost
+                    extra_cost = self.cost.extra(rows, extra_rows, context)
                     if extra_cost > 0:
                         if gain <= 0:
                             continue

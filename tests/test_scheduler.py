@@ -558,6 +558,44 @@ def test_adaptive_widths_keep_eight_greedy_lookahead_requests_equal_to_their_sol
     assert scheduler.pool.used == 0
 
 
+HISTORY_LOOKUP = [(case, prof, None, (), n) for case, n in ((0, 96), (1, 80), (2, 64))
+                  for prof in ("default-int4", LookaheadProfile(0, 2, 0, lookup=4))]
+
+
+@pytest.mark.parametrize("cost", ["busy", "free"])
+def test_steps_that_could_not_widen_are_not_prepared(stories_decoder, reference_greedy, monkeypatch, cost):
+    """History-lookup requests (W = 0) sharing passes: where rows are dear (busy: a row costs
+    twice a pass) a step whose best case could not pay for its rows is a one-token step whose
+    candidates are never looked up, but for one in PREPARE_EVERY (its trie then judged in
+    hindsight) and a request alone in its pass; where rows are free every step is prepared.
+    Either way every output is its solo run's."""
+    from lade_export.lookahead import LookaheadState
+    from lade_export.scheduler import PREPARE_EVERY
+    from lade_export.width_policy import AdaptiveWidth, CostCurve
+
+    solo = [_solo(stories_decoder, reference_greedy, spec) for spec in HISTORY_LOOKUP]
+    calls = []
+    prepare = LookaheadState.prepare
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2:] or tuple(kwargs.values()))
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(LookaheadState, "prepare", counted)
+    policy = AdaptiveWidth(CostCurve(1.0, 2.0 if cost == "busy" else 0.0))
+    scheduler = Scheduler(stories_decoder, width_policy=policy)
+    results = _run_concurrently(scheduler, reference_greedy, HISTORY_LOOKUP)
+    for spec, got, want in zip(HISTORY_LOOKUP, results, solo):
+        assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason), spec
+    steps = sum(r.stats.steps for r in results)
+    assert not any(calls)  # a prepared step is the profile's
+    if cost == "free":
+        assert len(calls) == steps
+    else:
+        assert steps // PREPARE_EVERY - len(HISTORY_LOOKUP) <= len(calls) < steps / 3
+        assert scheduler.width_steps["one-token"] >= 0.9 * steps
+
+
 def test_adaptive_widths_leave_sampled_requests_equal_to_their_solo_runs(stories_decoder, reference_greedy, solo):
     """REQUESTS (sampled lookahead, sampled plain and greedy ones) under an adaptive policy
     whose cost curve narrows nearly every greedy step to one token (a greedy neighbour of a

@@ -158,6 +158,66 @@ def test_the_online_cost_curve_fits_lazily_when_a_choice_needs_it():
     assert (curve.a, curve.b, curve.c) != fitted
 
 
+def test_a_size_measured_often_is_priced_by_its_own_passes_not_the_line():
+    # a convex engine: one-request rows cheap, rows past eight dear; the line through every
+    # size misprices both ends, a size with enough passes of its own is priced by their median
+    curve = OnlineCostCurve(refit_every=8)
+    true = {1: 3.2e-3, 4: 4.9e-3, 8: 8.5e-3, 14: 15.9e-3}
+    for k in range(64):
+        for rows, seconds in true.items():
+            if rows != 14 or k < 4:  # the wide size seen only 4 times: the line prices it
+                curve.observe(rows, 300, seconds)
+    assert curve(8, 300) == pytest.approx(8.5e-3, rel=1e-6)
+    assert curve(4, 300) == pytest.approx(4.9e-3, rel=1e-6)
+    assert curve(14, 300) == pytest.approx(curve.fitted(14, 300))
+    assert abs(curve.fitted(4, 300) / 4.9e-3 - 1) > 0.05  # the line is off by more than 5% there
+    # six more rows on an 8-row pass cost at least what the line says they add
+    assert curve.extra(8, 6, 300) == pytest.approx(max(curve.fitted(14, 300) - 8.5e-3,
+                                                       curve.fitted(14, 300) - curve.fitted(8, 300)))
+    # passes moved to another context along the fitted c
+    assert curve(8, 500) == pytest.approx(8.5e-3 + curve.c * 8 * 200, rel=1e-6)
+
+
+def test_widened_steps_that_accept_less_than_expected_calibrate_the_policy():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.05))
+    menu = [_menu(candidates_tokens=1.6, profile_tokens=1.7)]
+    assert policy.calibration == 1.0
+    assert policy.choose(menu * 2, context=0, budget=64) == [1, 1]  # +0.6 tokens for 4 rows (0.2) pays
+    for _ in range(40):  # its bets: 1.5 extra tokens expected, 0.5 accepted
+        policy.observe_widened(1.5, 0.5)
+    # decayed sums 8.7 / 26.1 and the prior 2 / 2: (8.7 + 2) / (26.1 + 2)
+    assert policy.calibration == pytest.approx(0.38, abs=0.01)
+    assert policy.choose(menu * 2, context=0, budget=64) == [0, 0]  # +0.23 calibrated tokens for 0.2: not
+    assert policy.choose([_menu(candidates_tokens=3.0, profile_tokens=3.0)], context=0, budget=64) == [1]
+    for _ in range(3000):  # choices that widen nothing: what was measured fades, the prior returns
+        policy.choose([[Option("one-token", ONE_TOKEN, 1, 1.0)]] * 2, context=0, budget=64)
+    assert policy.calibration > 0.95
+    policy.observe_widened(1.0, 5.0)
+    assert 1.0 < policy.calibration <= 2.0
+
+
+def test_a_step_is_worth_preparing_only_where_its_best_case_could_pay():
+    policy = AdaptiveWidth(CostCurve(1.0, 0.2))
+    # 4 one-token steps: 4 tokens for 1.8, the bar 1.05·4/1.8 tokens per unit; d rows cost 0.2·d
+    need = policy.preparation_bar(rows=4, tokens=4, context=0, depth=6)
+    assert need == pytest.approx([1.05 * 4 / 1.8 * 0.2 * d for d in range(1, 7)])
+    history = resolve_profile("default-int4")  # W = 0, K = 6
+    new = policy.tracker()  # α = the prior 0.4: 0.4 + 0.16 + … < 0.467·d at every depth
+    assert not policy.worth_preparing(new, history, need)
+    sure = policy.tracker()
+    for _ in range(40):  # every candidate accepted: α → 1, d extra tokens for d rows
+        sure.observe("profile", 7, depth=6)
+    assert policy.worth_preparing(sure, history, need)
+    assert policy.worth_preparing(new, resolve_profile("default"), need)  # a Jacobi window: always prepared
+    assert policy.worth_preparing(new, history, AdaptiveWidth(CostCurve(1.0, 0.0)).preparation_bar(4, 4, 0, 6))
+    for _ in range(40):  # the policy's bets came in at a third: the same sure request is no longer worth it
+        policy.observe_widened(3.0, 1.0)
+    bars = [policy.preparation_bar(rows=4, tokens=4, context=0, depth=6) for _ in range(16)]
+    assert all(bar is need for bar in bars[:15])  # a pass shape's bar serves its next 15 passes
+    assert bars[15] == pytest.approx([d / policy.calibration for d in need])
+    assert not policy.worth_preparing(sure, history, bars[15])
+
+
 def test_options_are_refused_in_one_line():
     with pytest.raises(GenerationError, match=r"^width_policy must be 'adaptive' or 'profile', got 'wide'$"):
         make_policy("wide")
