@@ -10,7 +10,9 @@ admits and retires requests between iterations):
   greedy or lookahead with its own profile, window, pool and history; greedy or sampling
   rule with its own random generator), its stop rules and text stream, and its columns of
   the scheduler's KV pool. The lookahead algorithm does not know it is batched:
-  ``prepare`` / ``update`` are called exactly as the single-request loop calls them.
+  ``prepare`` / ``update`` are called as the single-request loop calls them (under the
+  adaptive policy a greedy history-lookup step that could not pay for its rows is a plain
+  one-token step instead, without a ``prepare``: ``Scheduler._prepare``).
 * Each iteration (a *pass*) the scheduler takes the next decode step of every active
   request (round robin from a rotating start) while the rows fit the token budget, then
   fills what is left of the budget with chunks of new requests' prompts (so a long prompt
@@ -55,7 +57,9 @@ for the rows; sampled requests keep their profile's steps (narrowing would chang
 output against their solo run). With ``"profile"`` every request's step is its profile's.
 Either way the token budget defers a step that does not fit to the next pass. A decode
 step is prepared once, at its profile (kept while the budget defers it); a narrower class
-is cut from it (:func:`lade_export.width_policy.narrowed`). What the policy gains against
+is cut from it (:func:`lade_export.width_policy.narrowed`); in a pass of several decode
+steps, a greedy history-lookup step whose best case could not pay for its rows is given a
+one-token step without being prepared (:meth:`Scheduler._prepare`). What the policy gains against
 ``"profile"`` and against batched greedy is measured by ``bench/serve_batched.py``
 (docs/serving.md, *Lookahead width under load*; ``bench/results/serving.md``). ``timeline=True`` records
 every pass's phases (:class:`PassRecord`; ``bench/scheduler_timeline.py``, figures in
@@ -181,7 +185,7 @@ class _Request:
         self.prefilled = 0  # prompt tokens in the pool
         self.cache_len = 0
         self.layout = None  # the next step as this pass runs it (the profile's, or narrowed)
-        self.full = None  # the profile's next step, prepared once per decode step (kept when a pass defers it)
+        self.full = None  # its next step: the profile's, prepared once (kept when a pass defers it), or one token
         self.menu = ()  # the width classes of the prepared step that verify its trie (hindsight acceptance)
         self.histogram: Counter = Counter()
         self.engine_s = 0.0
@@ -537,16 +541,27 @@ class Scheduler:
                     self._fail(req, err)
                     continue
             kept.append(req)
+        if lean and len(kept) < 2:  # the others failed: a request alone runs its profile's step
+            for req in lean:
+                try:
+                    req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
+                except Exception as err:  # the request's own state failed
+                    self._fail(req, err)
+                    kept.remove(req)
+            lean = []
         if lean:
-            rows = sum(1 if req in lean else req.full.step for req in kept)
+            # every greedy lookahead step at its narrowest is one row (a deferred one too); others as prepared
+            # (tokens: one per step, a lower bound for a sampled lookahead step: the bar only drops)
+            rows = sum(1 if req in lean or isinstance(req.state.rule, GreedyRule) else req.full.step for req in kept)
             deepest = max(max(req.state.profile.lookup, req.state.levels) for req in lean)
             need = policy.preparation_bar(rows, len(kept), self._attended([req.cache_len for req in kept]), deepest)
             for req in lean:
                 if req.acceptance is None:
                     req.acceptance = policy.tracker()
+                worth = req.unprepared + 1 >= PREPARE_EVERY or policy.worth_preparing(req.acceptance,
+                                                                                       req.state.profile, need)
                 try:
-                    if req.unprepared + 1 >= PREPARE_EVERY or policy.worth_preparing(
-                            req.acceptance, req.state.profile, need):
+                    if worth:
                         req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
                         req.unprepared = 0
                     else:
@@ -685,8 +700,8 @@ class Scheduler:
                 if req.acceptance is not None and isinstance(req.state.rule, GreedyRule):
                     req.acceptance.observe(req.width, len(verdict.accepted), req.depth, req.widest)
                     observe = getattr(self.width_policy, "observe_widened", None)
-                    if req.widened is not None and observe is not None:  # its bet against what it won
-                        observe(req.widened, len(verdict.accepted) - 1)
+                    if req.widened is not None and observe is not None and verdict.stop_reason is None:
+                        observe(req.widened, len(verdict.accepted) - 1)  # its bet against what it won (uncut)
                     req.widened = None
                     if req.menu:  # what the classes that verify the whole trie would have accepted
                         req.acceptance.defer(length, full, req.depth, req.menu)

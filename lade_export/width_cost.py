@@ -24,8 +24,9 @@ coefficients kept ≥ 0. The line is only a shape: on a CPU engine a pass's cost
 its rows (SmolLM2 int4 at two threads, one request: a row adds ~0.45 ms up to 4 rows and
 ~0.7–1.2 ms beyond), and a scheduler's passes sit mostly at a few sizes (its concurrency), so
 the line through all of them overprices the common size and with it the pass's tokens per
-second the policy compares against. A size with :data:`MEASURED_MIN` recent passes of its
-own is therefore priced by their median (moved to the asked context along the fitted ``c``);
+second the policy compares against. A size with :data:`MEASURED_MIN` passes of its own among
+the last 256 is therefore priced by their median (moved to the asked context along the
+fitted ``c``);
 what rows add to a pass (:meth:`OnlineCostCurve.extra`) is never less than the line says.
 :class:`CostCurve` is a fixed curve (deterministic: tests inject one).
 """
@@ -110,8 +111,9 @@ class OnlineCostCurve(CostCurve):
         self.refit_every = refit_every
         self.prior_weight = prior_weight
         self._since = 0
-        self._by_rows: dict = {}  # rows -> deque of (context, seconds) of its recent passes
+        self._by_rows: dict = {}  # rows -> deque of (pass number, context, seconds) of its recent passes
         self._medians: dict = {}  # rows -> median of (seconds − c·rows·context) of its passes (cached)
+        self._passes = 0  # passes observed
 
     def fitted(self, rows: int, context: int = 0) -> float:
         """Seconds of a pass by the fitted line alone (``a + b·rows + c·rows·context``)."""
@@ -137,19 +139,28 @@ class OnlineCostCurve(CostCurve):
             return
         self.samples.append((rows, context, seconds))
         self._since += 1
-        self._by_rows.setdefault(rows, deque(maxlen=MEASURED_KEPT)).append((context, seconds))
+        self._passes += 1
+        self._by_rows.setdefault(rows, deque(maxlen=MEASURED_KEPT)).append((self._passes, context, seconds))
         self._medians.pop(rows, None)
 
     def __call__(self, rows: int, context: int = 0) -> float:
         """Seconds of a pass of ``rows`` rows over ``context`` cached tokens: the median of
-        its size's recent passes where at least :data:`MEASURED_MIN` were measured (each moved
-        to ``context`` along the fitted ``c``), else the fitted line."""
+        its size's passes among the last ``samples`` (256) observed, where at least
+        :data:`MEASURED_MIN` are (each moved to ``context`` along the fitted ``c``), else the
+        fitted line. A size not run lately falls back to the line: a price measured in a
+        noisy spell does not outlive the passes the line is fitted to."""
         self._refit_if_due()
         seen = self._by_rows.get(rows)
-        if seen is not None and len(seen) >= MEASURED_MIN:
+        if seen is None:
+            return super().__call__(rows, context)
+        oldest = self._passes - self.samples.maxlen
+        while seen and seen[0][0] <= oldest:
+            seen.popleft()
+            self._medians.pop(rows, None)
+        if len(seen) >= MEASURED_MIN:
             at = self._medians.get(rows)
             if at is None:
-                at = self._medians[rows] = statistics.median(t - self.c * rows * ctx for ctx, t in seen)
+                at = self._medians[rows] = statistics.median(t - self.c * rows * ctx for _, ctx, t in seen)
             return at + self.c * rows * context
         return super().__call__(rows, context)
 

@@ -82,8 +82,8 @@ fewer tokens per second than batched greedy's. So the policy keeps the ratio of 
 its widened steps accepted to those it expected (decayed over ≈ 20 widened steps, starting
 from 1 with the weight of :data:`CALIBRATION_PRIOR` tokens, clamped to [0.1, 2]:
 :attr:`AdaptiveWidth.calibration`) and multiplies every expected gain by it. What it learnt
-fades over choices that widen nothing (:data:`CALIBRATION_THAW`), so a ratio learnt under
-one load is tried again later. The cost side is measured the same way: a pass size the
+fades a little at every choice it makes (a pass where some request could widen:
+:data:`CALIBRATION_THAW`), so a ratio learnt under one load is tried again later. The cost side is measured the same way: a pass size the
 scheduler ran often is priced by its own recent passes, not by the fitted line
 (:meth:`~lade_export.width_cost.OnlineCostCurve.__call__`).
 
@@ -93,7 +93,7 @@ trie and layout) and cutting it down again is host work a batched greedy step do
 greedy's ~0.45, of a ~5 ms pass), the main reason ``default-int4`` lost to batched greedy
 there. So before a pass's steps are prepared, the
 scheduler asks :meth:`AdaptiveWidth.worth_preparing` of each greedy request whose profile
-has no Jacobi window: if even the best case its acceptance allows (a single chain of ``d``
+has no Jacobi window, in a pass of several decode steps: if even the best case its acceptance allows (a single chain of ``d``
 candidate tokens, ``d`` up to its profile's deepest, each accepted at its measured rate,
 calibrated) could not beat the bar :meth:`choose` would set
 (:meth:`AdaptiveWidth.preparation_bar`), its step is a one-token step and its

@@ -176,6 +176,11 @@ def test_a_size_measured_often_is_priced_by_its_own_passes_not_the_line():
                                                        curve.fitted(14, 300) - curve.fitted(8, 300)))
     # passes moved to another context along the fitted c
     assert curve(8, 500) == pytest.approx(8.5e-3 + curve.c * 8 * 200, rel=1e-6)
+    # a size not run among the last 256 passes is priced by the line again
+    for _ in range(256):
+        curve.observe(4, 300, 4.9e-3)
+    assert curve(8, 300) == pytest.approx(curve.fitted(8, 300))
+    assert curve(4, 300) == pytest.approx(4.9e-3, rel=1e-6)
 
 
 def test_widened_steps_that_accept_less_than_expected_calibrate_the_policy():
