@@ -99,7 +99,7 @@ from .packed import PackedItem, TokenPool, item_outputs, pack
 from .profile import LookaheadProfile
 from .runtime import Chunk, Decoder, GenerationResult, GenerationStats, collect
 from .sampling import GreedyRule, SamplingParams
-from .width_policy import WIDTHS, Option, make_policy, narrowed, width_caps
+from .width_policy import WIDTHS, Option, candidate_depth, make_policy, narrowed, width_caps
 
 #: Default rows of a pass that holds decode steps (4 requests' 11-token lookahead steps fit).
 TOKEN_BUDGET = 64
@@ -532,44 +532,37 @@ class Scheduler:
         if adaptive and len(steps) > 1 and hasattr(policy, "worth_preparing"):
             lean = [req for req in steps if req.full is None and hasattr(req.state, "profile")
                     and isinstance(req.state.rule, GreedyRule)]
-        kept = []
-        for req in steps:
-            if req.full is None and not (lean and req in lean):
-                try:
-                    req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
-                except Exception as err:  # the request's own state failed
-                    self._fail(req, err)
-                    continue
-            kept.append(req)
+
+        def prepared(req) -> bool:  # its profile's step; a request whose prepare raises fails alone
+            try:
+                req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
+            except Exception as err:  # the request's own state failed
+                self._fail(req, err)
+                return False
+            return True
+
+        kept = [req for req in steps if req.full is not None or req in lean or prepared(req)]
         if lean and len(kept) < 2:  # the others failed: a request alone runs its profile's step
-            for req in lean:
-                try:
-                    req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
-                except Exception as err:  # the request's own state failed
-                    self._fail(req, err)
-                    kept.remove(req)
+            kept = [req for req in kept if req not in lean or prepared(req)]
             lean = []
         if lean:
             # every greedy lookahead step at its narrowest is one row (a deferred one too); others as prepared
             # (tokens: one per step, a lower bound for a sampled lookahead step: the bar only drops)
             rows = sum(1 if req in lean or isinstance(req.state.rule, GreedyRule) else req.full.step for req in kept)
-            deepest = max(max(req.state.profile.lookup, req.state.levels) for req in lean)
+            deepest = max(candidate_depth(req.state.profile) for req in lean)
             need = policy.preparation_bar(rows, len(kept), self._attended([req.cache_len for req in kept]), deepest)
             for req in lean:
                 if req.acceptance is None:
                     req.acceptance = policy.tracker()
-                worth = req.unprepared + 1 >= PREPARE_EVERY or policy.worth_preparing(req.acceptance,
-                                                                                       req.state.profile, need)
-                try:
-                    if worth:
-                        req.full = req.state.prepare(req.state.sequence[-1], req.cache_len)
-                        req.unprepared = 0
-                    else:
-                        req.full = StepLayout.single(req.state.sequence[-1], req.cache_len)
-                        req.unprepared += 1
-                except Exception as err:  # the request's own state failed
-                    self._fail(req, err)
-                    kept.remove(req)
+                if req.unprepared + 1 >= PREPARE_EVERY or policy.worth_preparing(req.acceptance, req.state.profile,
+                                                                                  need):
+                    if not prepared(req):
+                        kept.remove(req)
+                        continue
+                    req.unprepared = 0
+                else:
+                    req.full = StepLayout.single(req.state.sequence[-1], req.cache_len)
+                    req.unprepared += 1
         for req in kept:
             req.layout = req.full  # as the pass runs it; the adaptive policy cuts narrower classes later
             req.width = "profile" if hasattr(req.state, "profile") else "one-token"

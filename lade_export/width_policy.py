@@ -118,7 +118,7 @@ from .width_acceptance import Acceptance
 from .width_cost import PRIOR_COST, CostCurve, OnlineCostCurve
 
 __all__ = ["PRIOR_ACCEPT", "PRIOR_COST", "WIDTHS", "Acceptance", "AdaptiveWidth", "CostCurve", "OnlineCostCurve",
-           "Option", "ProfileWidth", "make_policy", "narrowed", "width_caps"]
+           "Option", "ProfileWidth", "candidate_depth", "make_policy", "narrowed", "width_caps"]
 
 #: Width classes, narrowest first.
 WIDTHS = ("one-token", "candidates", "half-window", "profile")
@@ -154,6 +154,12 @@ def width_caps(profile) -> list[tuple[str, StepCap]]:
     if full != ONE_TOKEN:
         caps.append(("profile", full))
     return caps
+
+
+def candidate_depth(profile) -> int:
+    """Tokens of a lookahead profile's deepest verification candidate: K of its history
+    lookup, or N − 1 of its pool's n-grams when it keeps any (G > 0); 0 when it has neither."""
+    return max(profile.lookup, profile.levels if profile.guesses > 0 else 0)
 
 
 def narrowed(layout: StepLayout, cap: StepCap) -> StepLayout:
@@ -332,7 +338,7 @@ class AdaptiveWidth:
         """
         if profile.window > 0:
             return True
-        depth = min(max(profile.lookup, profile.levels if profile.guesses > 0 else 0), len(need))
+        depth = min(candidate_depth(profile), len(need))
         a = min(tracker.rate("profile"), 0.999)  # W = 0: "profile" is its only class above one token
         gain, term = 0.0, 1.0
         for d in range(depth):

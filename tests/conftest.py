@@ -14,6 +14,27 @@ STORIES = SHARED / "models" / "stories260K"
 DATASETS = SHARED / "datasets"
 
 
+@pytest.fixture
+def prepare_calls(monkeypatch):
+    """Call it to start counting ``LookaheadState.prepare`` (after any solo runs the test
+    compares with): returns the list that gets each call's arguments after ``past_len`` —
+    ``()`` for the profile's own step, ``(cap,)`` for a capped one."""
+    from lade_export.lookahead import LookaheadState
+
+    def start() -> list:
+        calls = []
+        prepare = LookaheadState.prepare
+
+        def counted(self, *args, **kwargs):
+            calls.append(args[2:] or tuple(kwargs.values()))
+            return prepare(self, *args, **kwargs)
+
+        monkeypatch.setattr(LookaheadState, "prepare", counted)
+        return calls
+
+    return start
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     assert (STORIES / "config.json").is_file(), f"missing {STORIES}"

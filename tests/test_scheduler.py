@@ -563,25 +563,17 @@ HISTORY_LOOKUP = [(case, prof, None, (), n) for case, n in ((0, 96), (1, 80), (2
 
 
 @pytest.mark.parametrize("cost", ["busy", "free"])
-def test_steps_that_could_not_widen_are_not_prepared(stories_decoder, reference_greedy, monkeypatch, cost):
+def test_steps_that_could_not_widen_are_not_prepared(stories_decoder, reference_greedy, prepare_calls, cost):
     """History-lookup requests (W = 0) sharing passes: where rows are dear (busy: a row costs
     twice a pass) a step whose best case could not pay for its rows is a one-token step whose
     candidates are never looked up, but for one in PREPARE_EVERY (its trie then judged in
     hindsight) and a request alone in its pass; where rows are free every step is prepared.
     Either way every output is its solo run's."""
-    from lade_export.lookahead import LookaheadState
     from lade_export.scheduler import PREPARE_EVERY
     from lade_export.width_policy import AdaptiveWidth, CostCurve
 
     solo = [_solo(stories_decoder, reference_greedy, spec) for spec in HISTORY_LOOKUP]
-    calls = []
-    prepare = LookaheadState.prepare
-
-    def counted(self, *args, **kwargs):
-        calls.append(args[2:] or tuple(kwargs.values()))
-        return prepare(self, *args, **kwargs)
-
-    monkeypatch.setattr(LookaheadState, "prepare", counted)
+    calls = prepare_calls()
     policy = AdaptiveWidth(CostCurve(1.0, 2.0 if cost == "busy" else 0.0))
     scheduler = Scheduler(stories_decoder, width_policy=policy)
     results = _run_concurrently(scheduler, reference_greedy, HISTORY_LOOKUP)

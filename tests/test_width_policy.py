@@ -339,17 +339,10 @@ def _lookahead_runs_without_stops(decoder, reference_greedy, max_new_tokens, **s
     return scheduler, results
 
 
-def test_a_decode_step_is_prepared_once_whatever_its_width(stories_decoder, reference_greedy, monkeypatch):
+def test_a_decode_step_is_prepared_once_whatever_its_width(stories_decoder, reference_greedy, prepare_calls):
     """Each lookahead decode step calls ``prepare`` once, in passes where the policy narrows
     it and in passes that defer it (a tight budget); outputs stay the reference's."""
-    calls = []
-    prepare = LookaheadState.prepare
-
-    def counted(self, *args, **kwargs):
-        calls.append(args[2:] or tuple(kwargs.values()))
-        return prepare(self, *args, **kwargs)
-
-    monkeypatch.setattr(LookaheadState, "prepare", counted)
+    calls = prepare_calls()
     scheduler, results = _lookahead_runs_without_stops(stories_decoder, reference_greedy, 96, token_budget=16,
                                                        width_policy=RandomWidths(5))
     assert [r.token_ids for r in results] == [c["greedy_ids"][:96] for c in reference_greedy["cases"] for _ in range(2)]
