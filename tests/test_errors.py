@@ -401,6 +401,14 @@ CASES = [
         t, a, "--peer", "llama.cpp-greedy", "--llama-gguf", s / "llama2c" / "stories260K.gguf", "--llama-cpp",
         _fake_llama_cpp(t, "#!/bin/sh\necho 'Illegal instruction' >&2\nkill -ILL $$\n")), 1,
      "llama-completion failed with exit status -4 (SIGILL): Illegal instruction"),
+    ("out-not-writable", lambda t, s, a: ["build", "--model", s, "--out", "/sys/lade-export-test/o"], 2,
+     "Invalid value for '--out': cannot write in /sys: Permission denied"),
+    ("out-under-a-file", lambda t, s, a: _compare(t, a)[:-2] + ["--out", _jsonl(t, "") / "results"], 2,
+     "is not a folder (see: lade-export compare --help)"),
+    ("tune-out-not-writable", lambda t, s, a: ["tune", a, "--out", "/sys/t.toml"], 2,
+     "Invalid value for '--out': cannot write in /sys: Permission denied"),
+    ("triton-out-not-writable", lambda t, s, a: ["triton", a, "--out", "/sys/repo"], 2,
+     "Invalid value for '--out': cannot write in /sys: Permission denied"),
     ("triton-out-exists", lambda t, s, a: ["triton", a, "--out", _triton_repo(t, a), "--name", "m"], 2,
      "already exists; pass --force to replace it"),
     ("triton-force-not-ours", lambda t, s, a: ["triton", a, "--out", _foreign_model(t), "--name", "m", "--force"], 2,
@@ -564,8 +572,11 @@ def test_missing_extra_is_one_line(tmp_path, stories_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr
-    assert lines == ["error: lade-export build needs torch, which this install lacks: pip install 'lade-export[export]'"]
-    assert "needs torch, which this install lacks: pip install 'lade-export[export]'" in DOC
+    assert lines == ["error: lade-export build needs torch, which this install lacks: a CPU build of PyTorch first "
+                     "(pip install torch --index-url https://download.pytorch.org/whl/cpu), then "
+                     "pip install 'lade-export[export]'"]
+    assert ("needs torch, which this install lacks: a CPU build of PyTorch first (pip install torch --index-url "
+            "https://download.pytorch.org/whl/cpu), then pip install 'lade-export[export]'") in DOC
     assert not (tmp_path / "o").exists()
 
 
@@ -594,3 +605,15 @@ def test_hand_edited_manifests_are_refused_in_one_line(tmp_path, stories_artifac
         assert result.exit_code == 2, (command, result.output)
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
         assert message in result.stderr
+
+
+def test_a_file_system_error_no_check_foresaw_is_one_line(tmp_path, stories_dir, monkeypatch):
+    import lade_export.export.build as build_module
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "o" / "model.onnx.data"))
+
+    monkeypatch.setattr(build_module, "build_artifact", full_disk)
+    result = invoke("build", "--model", stories_dir, "--out", tmp_path / "o")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"error: No space left on device: {tmp_path / 'o' / 'model.onnx.data'}"]

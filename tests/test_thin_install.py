@@ -64,5 +64,6 @@ def test_generate_triton_tune_and_compare_run_without_the_export_extra(stories_a
 def test_check_names_the_extra_it_needs_in_one_line(stories_artifact, tmp_path):
     proc = thin("check", stories_artifact, cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr == ("error: lade-export check needs torch, which this install lacks: "
+    assert proc.stderr == ("error: lade-export check needs torch, which this install lacks: a CPU build of PyTorch "
+                           "first (pip install torch --index-url https://download.pytorch.org/whl/cpu), then "
                            "pip install 'lade-export[export]'\n")

@@ -5,7 +5,10 @@ artifact opened for decoding). The command modules add their commands to ``main`
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -13,6 +16,9 @@ import click
 from ..backends import BACKENDS
 from ..errors import LadeError, ProfileError
 from ..profile import resolve_profile
+
+#: How a CPU build of PyTorch is installed (the README's "PyTorch first").
+TORCH_CPU = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 #: Modules of the optional extras (pyproject.toml) -> the extra that installs them.
 _EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export", "gguf": "export",
@@ -56,8 +62,17 @@ class _Group(click.Group):
             extra = _EXTRAS.get((err.name or "").split(".")[0])
             if extra is None:
                 raise
+            first = ""  # PyPI's default torch on Linux is a CUDA build of several GB: a CPU one first
+            if extra in ("export", "bench") and importlib.util.find_spec("torch") is None:
+                first = f"a CPU build of PyTorch first ({TORCH_CPU}), then "
             click.echo(f"error: lade-export {ctx.invoked_subcommand} needs {err.name}, which this install lacks: "
-                       f"pip install 'lade-export[{extra}]'", err=True)
+                       f"{first}pip install 'lade-export[{extra}]'", err=True)
+            sys.exit(2)
+        except OSError as err:  # the file system refused something no check foresaw: one line, not a traceback
+            if isinstance(err, BrokenPipeError):
+                raise
+            where = f": {err.filename}" if err.filename else ""
+            click.echo(f"error: {err.strerror or err}{where}", err=True)
             sys.exit(2)
         except KeyboardInterrupt as err:
             message = "error: interrupted"
@@ -74,11 +89,45 @@ def _console():
     return Console(stderr=True)
 
 
+def _probe_writable(folder: Path) -> None:
+    """Raise click.BadParameter unless a file can be created in ``folder``'s nearest existing
+    ancestor (``folder`` itself when it exists): by creating and removing one, since a
+    permission check alone passes for root on read-only and virtual file systems."""
+    at = folder
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        raise click.BadParameter(f"{at} is not a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".lade-export-probe-", dir=at)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise click.BadParameter(f"cannot write in {at}: {err.strerror or err}") from None
+
+
+def _writable_beside(ctx, param, value):
+    """``--out`` of a file or directory written beside itself and renamed into place (build,
+    export, tune): its folder must take new files. Checked before any work is done."""
+    if value is not None and str(value).strip():
+        _probe_writable(Path(value).parent)
+    return value
+
+
+def _writable_folder(ctx, param, value):
+    """``--out`` of a folder written into (compare's results, triton's repository): it, or
+    the folder that will hold it, must take new files. Checked before any work is done (an
+    existing file is left to the command, whose message says what to give instead)."""
+    if value is not None and str(value).strip() and not Path(value).is_file():
+        _probe_writable(Path(value))
+    return value
+
+
 # Parameters that several commands declare alike, written once. Each use of one of these
 # decorators adds a parameter of its own to its command (click makes a new Option per use),
 # so a command's --help is what it was when each command wrote them out.
 _artifact_dir = click.argument("artifact_dir", type=click.Path(path_type=Path))  # the commands that read a build
-_artifact_out = click.option("--out", required=True, type=click.Path(path_type=Path),
+_artifact_out = click.option("--out", required=True, type=click.Path(path_type=Path), callback=_writable_beside,
                              help="Artifact directory to create.")  # build, export
 _backend = click.option("--backend", type=click.Choice(BACKENDS), default="ort",
                         show_default=True)  # generate, compare, tune

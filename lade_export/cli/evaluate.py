@@ -12,7 +12,7 @@ import click
 from ..backends import DTYPES
 from ..errors import GenerationError, ProfileError
 from ..profile import bundled_profiles_dir, resolve_profile
-from .common import _artifact_dir, _backend, _device, _load, _threads, main
+from .common import _artifact_dir, _backend, _device, _load, _threads, _writable_beside, _writable_folder, main
 
 
 @main.command()
@@ -32,7 +32,8 @@ from .common import _artifact_dir, _backend, _device, _load, _threads, main
                    "bench/build_llama_cpp.sh).")
 @click.option("--llama-gguf", "llama_gguf", default=None, type=click.Path(path_type=Path),
               help="GGUF the llama.cpp peers run (default: the Q4_1 file shipped for SmolLM2).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for results and summaries.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), callback=_writable_folder,
+              help="Folder for results and summaries.")
 @_backend
 @_device
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32")
@@ -153,6 +154,7 @@ def _report_skipped(skipped, kept, context: int) -> None:
 @click.option("--grid", default="default", show_default=True, help="Named grid: default or tiny.")
 @click.option("--candidate", "candidates", multiple=True, metavar="W,N,G[,K[,B]]", help="Grid entries instead of --grid.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("tuned.toml"), show_default=True,
+              callback=_writable_beside,
               help="Profile TOML to write (not in the shipped profiles folder).")
 @_backend
 @click.option("--validate-dataset", default=None,

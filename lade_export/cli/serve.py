@@ -10,12 +10,12 @@ from pathlib import Path
 import click
 
 from ..errors import ProfileError
-from .common import _artifact_dir, _engine_threads, _kv_tokens, _token_budget, main
+from .common import _artifact_dir, _engine_threads, _kv_tokens, _token_budget, _writable_folder, main
 
 
 @main.command()
 @_artifact_dir
-@click.option("--out", "repository", required=True, type=click.Path(path_type=Path),
+@click.option("--out", "repository", required=True, type=click.Path(path_type=Path), callback=_writable_folder,
               help="Triton model repository (created if missing; other models in it are kept).")
 @click.option("--name", default=None, help="Model name (default: from the artifact's source model).")
 @click.option("--instances", type=int, default=1, show_default=True,
