@@ -595,6 +595,9 @@ class Quality(_Section):
         positions: answer tokens compared.
         top1_agreement: fraction of positions with the same argmax (0–1).
         max_abs_logit_diff: largest |Δlogit| over those positions.
+        prompts: what the answers answered, in words (the first MT-Bench questions, or the
+            build's parity prompt when the datasets were not at hand); absent on builds made
+            before it was recorded.
         extra: keys this version does not know, kept.
     """
 
@@ -603,6 +606,7 @@ class Quality(_Section):
     positions: int | None = None
     top1_agreement: float | None = None
     max_abs_logit_diff: float | None = None
+    prompts: str | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
 

@@ -53,6 +53,41 @@ def test_a_missing_prompt_set_says_how_to_point_at_one(tmp_path, monkeypatch):
     assert "LADE_DATASETS" in (ROOT / "docs" / "datasets.md").read_text()
 
 
+def test_without_lade_datasets_the_folder_beside_the_checkout_is_found(tmp_path, monkeypatch):
+    from lade_export.evaluation.datasets import datasets_root
+
+    monkeypatch.delenv("LADE_DATASETS", raising=False)
+    monkeypatch.chdir(tmp_path)  # neither ./shared nor ../shared from here
+    beside = ROOT.parent / "shared" / "datasets"
+    if (beside / "mt_bench").is_dir():  # a checkout placed beside shared/, as the README describes
+        assert datasets_root() == beside
+    else:
+        assert datasets_root() == tmp_path.parent / "shared" / "datasets"  # the fallback the message names
+
+
+def test_a_quantized_build_says_which_prompts_its_agreement_was_measured_on(tmp_path, monkeypatch):
+    from lade_export.evaluation.datasets import datasets_root
+    from lade_export.export.build_checks import PARITY_PROMPT, quality_prompts
+
+    class Words:  # a tokenizer of one id per character, without a chat template
+        chat_template = None
+
+        def __call__(self, text):
+            return type("Encoded", (), {"input_ids": [ord(c) % 100 for c in text]})()
+
+    monkeypatch.setenv("LADE_DATASETS", str(tmp_path))  # no MT-Bench there
+    ids, label = quality_prompts(Words(), chat=False)
+    assert ids == [[ord(c) % 100 for c in PARITY_PROMPT]]
+    assert label == (f"the build's parity prompt (MT-Bench not found under {tmp_path}: set LADE_DATASETS to the "
+                     "datasets folder)")
+    assert datasets_root() == tmp_path
+    (tmp_path / "mt_bench").mkdir()
+    (tmp_path / "mt_bench" / "question.jsonl").write_text(
+        "".join(json.dumps({"question_id": i, "turns": [f"question {i}"]}) + "\n" for i in range(6)))
+    ids, label = quality_prompts(Words(), chat=False)
+    assert label == "the first 4 MT-Bench questions" and len(ids) == 4
+
+
 def test_a_prompt_file_path_works_with_prompt_from(stories_artifact, tmp_path):
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(json.dumps({"prompt": "The cat"}) + "\n\n" + json.dumps({"prompt": "Once upon a time"}) + "\n")

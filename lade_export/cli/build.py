@@ -109,7 +109,8 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
             click.echo(f"{options.weights} weights: {q.graph.bytes_after / 2**20:.0f} MB (float32 "
                        f"{q.graph.bytes_before / 2**20:.0f} MB); against the float32 graph: top-1 agreement "
                        f"{100 * q.quality.top1_agreement:.1f}% over {q.quality.positions} answer "
-                       f"tokens, max |Δlogit| {q.quality.max_abs_logit_diff:.2f}", err=True)
+                       f"tokens{f' to {q.quality.prompts}' if q.quality.prompts else ''}, max |Δlogit| "
+                       f"{q.quality.max_abs_logit_diff:.2f}", err=True)
         _echo_rope_note(manifest)
 
 

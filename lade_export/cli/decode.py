@@ -253,6 +253,8 @@ def inspect(artifact_dir, as_json):
         console.print(escape(f"weights: {m.graph.precision} layers, {head} head and embedding, "
                              f"{spec.kernels} kernels{where}; lookahead exact: {m.graph.lookahead_exact}"
                              + (f"; top-1 agreement with float32 {100 * agreement:.1f}%" if agreement is not None
+                                else "")
+                             + (f" (answers to {quality.prompts})" if agreement is not None and quality.prompts
                                 else "")))
     par = Table(title="parity (ONNX Runtime vs PyTorch)")
     for col in ("case", "step", "past", "max |Δlogit|", "relative", "argmax equal"):

@@ -37,14 +37,18 @@ class Prompt:
 
 def datasets_root() -> Path:
     """Folder holding the three datasets: ``$LADE_DATASETS`` when set, else the first of
-    ``./shared/datasets`` and ``../shared/datasets`` (from the working directory) and
-    ``shared/datasets`` beside a source checkout that has ``mt_bench/`` in it."""
+    ``./shared/datasets`` and ``../shared/datasets`` (from the working directory) and, when
+    the package runs from a source checkout, ``shared/datasets`` beside the checkout (in the
+    folder that holds it) or inside it — the first that has ``mt_bench/`` in it, else
+    ``../shared/datasets``."""
     env = os.environ.get("LADE_DATASETS")
     if env:
         return Path(env)
     here = Path.cwd()
-    candidates = [here / "shared" / "datasets", here.parent / "shared" / "datasets",
-                  Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"]
+    candidates = [here / "shared" / "datasets", here.parent / "shared" / "datasets"]
+    checkout = Path(__file__).resolve().parent.parent.parent
+    if (checkout / "pyproject.toml").is_file():  # an installed package has no checkout around it
+        candidates += [checkout.parent / "shared" / "datasets", checkout / "shared" / "datasets"]
     for folder in candidates:
         if (folder / "mt_bench").is_dir():
             return folder

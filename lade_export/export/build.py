@@ -109,14 +109,16 @@ def build_tensorrt_engines(step, onnx_path: Path, root: Path, profiles, prompt_i
     return entries
 
 
-def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], threads=None, say=None) -> dict:
+def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], threads=None, say=None,
+                            prompts_label: str | None = None) -> dict:
     """Replace ``root/model.onnx`` (float32) by its weight-only quantized form and report
     the quality: top-1 agreement and max |Δlogit| against the float32 graph, teacher-forced
-    on the float32 engine's own greedy answers (64 tokens) to ``prompts``.
+    on the float32 engine's own greedy answers (64 tokens) to ``prompts`` (``prompts_label``:
+    what they are, recorded as ``quality.prompts``).
 
     Returns:
         the manifest's ``quantization`` section: ``spec``, ``graph`` (sizes, op counts),
-        ``quality`` (:func:`lade_export.export.quantize.quality_report`) and, with the lade kernels,
+        ``quality`` (:func:`lade_export.export.quantize.quality_report`, plus ``prompts``) and, with the lade kernels,
         ``kernels``: ``library``, ``compute``, ``paths`` (those it holds, per compute type) and
         ``path_at_build`` (the one the quality was measured on).
     """
@@ -145,6 +147,8 @@ def quantize_artifact_graph(root: Path, dims, spec, prompts: list[list[int]], th
         answer = Decoder(reference, [], dims.max_context).generate(ids, min(64, dims.max_context - len(ids)), GREEDY)
         sequences.append((list(ids) + answer.token_ids, len(ids)))
     quality = quality_report(reference, quantized, sequences)
+    if prompts_label:
+        quality["prompts"] = prompts_label
     reference.close()
     quantized.close()
     kernels = None
@@ -317,8 +321,9 @@ def build_artifact(source: str, profiles, out: str | Path, force: bool = False, 
                                              say)
         quantized = None
         if quantization is not None:
-            quantized = quantize_artifact_graph(tmp, dims, quantization, quality_prompts(loaded.tokenizer, chat),
-                                                threads=threads, say=say)
+            ids, label = quality_prompts(loaded.tokenizer, chat)
+            quantized = quantize_artifact_graph(tmp, dims, quantization, ids, threads=threads, say=say,
+                                                prompts_label=label)
         say("saving the tokenizer and checking it against transformers")
         tokenizer_section = save_tokenizer(loaded.tokenizer, tmp / "tokenizer")
         kv_dtype = quantized["graph"].get("kv_cache_dtype") if quantized is not None else None

@@ -118,16 +118,24 @@ def transformers_parity(loaded, onnx_path: Path, plan, dims, prompt_ids: list[in
             "cases": [c.as_dict() for c in cases]}
 
 
-def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
+def quality_prompts(tokenizer, chat: bool, count: int = 4) -> tuple[list[list[int]], str]:
     """Prompt ids for the quantization quality report: the first MT-Bench questions when the
-    datasets are at hand, else the build's parity prompt."""
-    from ..evaluation.datasets import load_prompts
+    datasets are at hand, else the build's parity prompt.
+
+    Returns:
+        ``(ids, label)``: one id list per prompt, and what they are in words (the manifest's
+        ``quantization.quality.prompts``; without the datasets it says how to point at them).
+    """
+    from ..evaluation.datasets import datasets_root, load_prompts
     from ..errors import GenerationError
 
     try:
         texts = [p.text for p in load_prompts("mt_bench", limit=count, chat=chat)]
+        label = f"the first {len(texts)} MT-Bench questions"
     except GenerationError:
         texts = [PARITY_PROMPT]
+        label = (f"the build's parity prompt (MT-Bench not found under {datasets_root()}: set LADE_DATASETS to "
+                 f"the datasets folder)")
     out = []
     for text in texts:
         if chat and getattr(tokenizer, "chat_template", None):
@@ -136,7 +144,7 @@ def quality_prompts(tokenizer, chat: bool, count: int = 4) -> list[list[int]]:
             out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         else:
             out.append(list(tokenizer(text).input_ids))
-    return out
+    return out, label
 
 
 def raise_on_parity(cases, what: str = "ONNX Runtime vs PyTorch") -> None:
