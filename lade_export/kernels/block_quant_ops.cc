@@ -413,7 +413,23 @@ LADE_VNNI512 void itile_vnni512(const IJob& job, int64_t tile, int64_t row) {
   __m512 y[T][R];
   for (int c = 0; c < T; ++c)
     for (int r = 0; r < R; ++r) y[c][r] = _mm512_setzero_ps();
+  // The first group of 4 or more rows streams the weights from memory while it computes on them, and
+  // the hardware's prefetchers fall behind: it asks for the next sweep's tiles (T tiles ahead, the
+  // same block) while this block is computed. Data movement only. Measured (bench/results/kernel-floor.md):
+  // 4-16 rows 10-25% faster when the weights come from memory, the same when the last-level cache holds
+  // them; 1-2 rows read as fast or faster without it.
+  const bool stream = R >= 4 && row == 0 && tile + 2 * T <= job.tiles;
   for (int64_t b = 0; b < blocks; ++b) {
+    if (stream) {
+      for (int c = 0; c < T; ++c) {
+        const int64_t ahead = (tile + T + c) * blocks + b;
+        for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), _MM_HINT_T0);
+        if ((b & 1) == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), _MM_HINT_T0);
+        }
+      }
+    }
     __m512i acc[T][R];
     for (int c = 0; c < T; ++c)
       for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_si512();
@@ -597,7 +613,16 @@ LADE_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i codes, __m256i act) {
   __m256 y[2][R];                                                                                          \
   for (int h = 0; h < 2; ++h)                                                                              \
     for (int r = 0; r < R; ++r) y[h][r] = _mm256_setzero_ps();                                             \
+  const bool stream = R >= 4 && row == 0 && tile + 2 <= job.tiles; /* as itile_vnni512 */               \
   for (int64_t b = 0; b < blocks; ++b) {                                                                   \
+    if (stream) {                                                                                          \
+      const int64_t ahead = (tile + 1) * blocks + b;                                                       \
+      for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), _MM_HINT_T0); \
+      if ((b & 1) == 0) {                                                                                  \
+        _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), _MM_HINT_T0);                      \
+        _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), _MM_HINT_T0);                      \
+      }                                                                                                    \
+    }                                                                                                      \
     __m256i acc[2][R];                                                                                     \
     for (int h = 0; h < 2; ++h)                                                                            \
       for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_si256();                                      \
@@ -1233,6 +1258,8 @@ struct AttnJob {
   const struct AttnGroup* groups;  // AVX-512: rows computed together (attention_group), else null
   const int32_t* group_rows;       // the groups' rows: indices into a head's G·S rows
   bool direct;                     // groups read the cache's keys in place, transposed in registers (no tiles)
+  float* vtiles = nullptr;  // AVX-512 groups over tiles, float16 cache: [B, KV, n_tiles, 16, D], the values of
+                            // the blocks some row sees, widened to float32 once for all the groups that read them
 };
 
 // Rows of one batch entry and KV head that see the same key blocks — the G query heads of a step
@@ -1259,6 +1286,19 @@ inline bool block_seen(const bool* m, int64_t n) {
   for (int64_t j = 0; j < n; ++j)
     if (!m[j]) return true;
   return false;
+}
+
+// Whether all of the n ≤ 16 mask bytes at m are 0 (the row sees every key there).
+inline bool every_key_seen(const bool* m, int64_t n) {
+  if (n == kKeys) {
+    uint64_t a, b;
+    std::memcpy(&a, m, 8);
+    std::memcpy(&b, m + 8, 8);
+    return (a | b) == 0;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (m[j]) return false;
+  return true;
 }
 
 #ifdef LADE_X86
@@ -1556,23 +1596,30 @@ LADE_ATTN512 void group_scores(const float* const* q, const float* const* cols, 
 }
 
 // Key j's value row v added to the N rows' accumulators: fma(w[r][j], v, acc) where row r sees key j.
-template <int DV, int N>
+// ALL: every row sees key j (the caller checked), so the FMAs need no mask — the same operations,
+// without a mask register set per row and key.
+template <int DV, int N, bool ALL>
 LADE_ATTN512 __attribute__((always_inline)) inline void value_step(__m512 (&acc)[N][DV], const __m512 (&v)[DV],
                                                                    const bool* const* masked, const float* const* w,
                                                                    int64_t j) {
 #pragma GCC unroll 8
   for (int r = 0; r < N; ++r) {
-    const __mmask16 sees = masked[r][j] ? 0 : 0xffff;
     const __m512 weight = _mm512_set1_ps(w[r][j]);
+    if constexpr (ALL) {
 #pragma GCC unroll 8
-    for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_mask3_fmadd_ps(weight, v[x], acc[r][x], sees);
+      for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_fmadd_ps(weight, v[x], acc[r][x]);
+    } else {
+      const __mmask16 sees = masked[r][j] ? 0 : 0xffff;
+#pragma GCC unroll 8
+      for (int x = 0; x < DV; ++x) acc[r][x] = _mm512_mask3_fmadd_ps(weight, v[x], acc[r][x], sees);
+    }
   }
 }
 
 // Keys [j0, j1) whose value rows start at `value`, `stride` elements apart, added to acc in key order. The
 // accumulators are copied into locals that nothing outside this loop sees, so that they live in registers
 // (the compiler kept the caller's array on the stack, storing it at every key).
-template <int DV, int N, typename T>
+template <int DV, int N, bool ALL, typename T>
 LADE_ATTN512 __attribute__((always_inline)) inline void value_run(__m512 (&acc)[N][DV], const T* value, int64_t stride,
                                                                   int64_t j0, int64_t j1, const bool* const* masked,
                                                                   const float* const* w, const __mmask16* vmask) {
@@ -1588,7 +1635,7 @@ LADE_ATTN512 __attribute__((always_inline)) inline void value_run(__m512 (&acc)[
     __m512 v[DV];
 #pragma GCC unroll 8
     for (int x = 0; x < DV; ++x) v[x] = load16(value + 16 * x, lanes[x]);
-    value_step<DV, N>(a, v, masked, w, j);
+    value_step<DV, N, ALL>(a, v, masked, w, j);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < N; ++r)
@@ -1609,6 +1656,14 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
   for (int64_t at = 0; at < nblocks; ++at) {
     const int64_t gi = blocks[at], part = gi >= job.nb_p, i = part ? gi - job.nb_p : gi;
     const int64_t base = part ? p : 0, j0 = base + i * kKeys, end = base + std::min((part ? s : p), (i + 1) * kKeys);
+    if (!part && job.vtiles) {  // the block's values widened once (tiles_of), contiguous
+      const float* value = job.vtiles + ((bi * kv + h) * job.n_tiles + job.slot[bi * job.nb_p + i]) * kKeys * d;
+      bool all = true;  // every row sees every key of the block: FMAs without masks
+      for (int r = 0; r < N && all; ++r) all = every_key_seen(masked[r] + j0, end - j0);
+      if (all) value_run<DV, N, true>(acc, value, d, j0, end, masked, w, vmask);
+      else value_run<DV, N, false>(acc, value, d, j0, end, masked, w, vmask);
+      continue;
+    }
     if (job.in_place && at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next cache block's values
       const int64_t j1 = blocks[at + 1] * kKeys, next = ((bi * p + j1) * kv + h) * d, n1 = std::min(kKeys, p - j1);
       if (job.pv16) prefetch_rows(job.pv16 + next, kv * d, n1, 2 * d);
@@ -1618,13 +1673,13 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
     // registers (as one loop with the kind tested per key, they were stored to the stack at every key).
     if (!part && job.pv16) {  // the float16 cache, sequence-major
       const uint16_t* value = job.pv16 + ((bi * p + j0) * kv + h) * d;
-      value_run<DV, N>(acc, value, kv * d, j0, end, masked, w, vmask);
+      value_run<DV, N, false>(acc, value, kv * d, j0, end, masked, w, vmask);
     } else {
       const int64_t stride = !part && job.in_place ? kv * d : d;
       const float* value = !part ? (job.in_place ? job.pv + ((bi * p + j0) * kv + h) * d
                                                  : job.pv + ((bi * kv + h) * p + j0) * d)
                                  : job.v + ((bi * kv + h) * s + j0 - p) * d;
-      value_run<DV, N>(acc, value, stride, j0, end, masked, w, vmask);
+      value_run<DV, N, false>(acc, value, stride, j0, end, masked, w, vmask);
     }
   }
   for (int r = 0; r < N; ++r)
@@ -1662,6 +1717,26 @@ LADE_ATTN512 inline __mmask16 visible_keys(const bool* m, __mmask16 lanes) {
   return _mm_mask_cmpeq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, m), _mm_setzero_si128());
 }
 
+// sums[r] = Σ scores[r][j] over the keys of the seen blocks, in key order, one chain per row (the rows'
+// chains side by side, their pointers and sums in registers).
+template <int N>
+LADE_ATTN512 void group_sums(const AttnJob& job, const int64_t* blocks, int64_t nblocks, float* const* scores,
+                             float* sums) {
+  float acc[N];
+  const float* row[N];
+  for (int r = 0; r < N; ++r) acc[r] = 0.0f, row[r] = scores[r];
+  for (int64_t at = 0; at < nblocks; ++at) {
+    int64_t j0;
+    __mmask16 lanes;
+    seen_block(job, blocks[at], j0, lanes);
+    const int64_t end = j0 + __builtin_popcount(lanes);
+    for (int64_t j = j0; j < end; ++j)
+#pragma GCC unroll 8
+      for (int r = 0; r < N; ++r) acc[r] += row[r][j];
+  }
+  for (int r = 0; r < N; ++r) sums[r] = acc[r];
+}
+
 // softmax_row for the n rows of a group, with its results: top = the largest visible score (here a
 // running maximum per lane, then over the lanes: the maximum of the same non-NaN values, NaN scores
 // ignored as std::max ignores them; only the sign of a zero top can differ, and exp(score − top)
@@ -1696,19 +1771,13 @@ LADE_ATTN512 void group_softmax(const AttnJob& job, const int64_t* blocks, int64
       }
     }
   }
-  float acc[kGroupRows];
-  for (int r = 0; r < n; ++r) acc[r] = 0.0f;
-  for (int64_t at = 0; at < nblocks; ++at) {  // each row's sum in key order (+0 for the keys it does not see)
-    int64_t j0;
-    __mmask16 lanes;
-    seen_block(job, blocks[at], j0, lanes);
-    const int64_t width = __builtin_popcount(lanes);
-    for (int64_t j = j0; j < j0 + width; ++j)
-#pragma GCC unroll 8
-      for (int r = 0; r < kGroupRows; ++r)
-        if (r < n) acc[r] += scores[r][j];
+  switch (n) {  // each row's sum in key order (+0 for the keys it does not see): n chains side by side
+#define LADE_SUMS(N) \
+  case N:          \
+    return group_sums<N>(job, blocks, nblocks, scores, sums);
+    LADE_SUMS(1) LADE_SUMS(2) LADE_SUMS(3) LADE_SUMS(4) LADE_SUMS(5) LADE_SUMS(6) LADE_SUMS(7) LADE_SUMS(8)
+#undef LADE_SUMS
   }
-  for (int r = 0; r < n; ++r) sums[r] = acc[r];
 }
 
 LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, std::vector<float>& buffer,
@@ -1845,6 +1914,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) bool tile16_avx512(cons
 }
 
 
+// The width ≤ 16 value rows of a block (key c, element e at values[c·stride + e], D a multiple of 16) as float32
+// rows of D: data movement and exact widening only.
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void widen_values_avx512(const uint16_t* values, int64_t stride,
+                                                                                 int64_t d, int64_t width, float* out) {
+  for (int64_t c = 0; c < width; ++c)
+    for (int64_t e0 = 0; e0 < d; e0 += 16)
+      _mm512_storeu_ps(out + c * d + e0, load16(values + c * stride + e0));
+}
+
 // AVX2: a full block (width 16) with D a multiple of 8, in 8 × 8 transposes.
 template <typename T>
 __attribute__((target("avx2,f16c"))) bool tile16_avx2(const T* keys, int64_t stride, int64_t d, int64_t width,
@@ -1888,6 +1966,8 @@ void tiles_of(const AttnJob& job, int64_t task) {
     const float* keys = job.pk16 ? nullptr : job.pk + at0;
     const uint16_t* keys16 = job.pk16 ? job.pk16 + at0 : nullptr;
 #ifdef LADE_X86
+    if (MODE == 1 && job.vtiles)  // the block's values, key after key, widened from float16 (exact)
+      widen_values_avx512(job.pv16 + at0, kv * d, d, width, job.vtiles + ((bi * kv + h) * job.n_tiles + at) * kKeys * d);
     if (MODE == 1 && (keys16 ? tile16_avx512(keys16, kv * d, d, width, tile) : tile16_avx512(keys, kv * d, d, width, tile)))
       continue;
     if (MODE == 2 && (keys16 ? tile16_avx2(keys16, kv * d, d, width, tile) : tile16_avx2(keys, kv * d, d, width, tile)))
@@ -1969,6 +2049,11 @@ void attention_rows(Ort::KernelContext& ctx, const float* q, const float* pk, co
     if (in_place && !job.direct) {
       tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
       job.tiles = tiles.data();
+      if (pv16 && d % 16 == 0) {  // values too: each group would widen every value row again
+        thread_local std::vector<float> vtiles;
+        vtiles.resize(static_cast<size_t>(b * kv * n_tiles * kKeys * d));
+        job.vtiles = vtiles.data();
+      }
       if (b * kv * n_tiles)
         ctx.ParallelFor(run_tiles, static_cast<size_t>(b * kv * ((nb_p + kTileTasks - 1) / kTileTasks)), 0, &job);
     }
