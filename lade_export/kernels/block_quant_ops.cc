@@ -2042,10 +2042,13 @@ void attention_rows(Ort::KernelContext& ctx, const float* q, const float* pk, co
                               static_cast<int32_t>(std::min(size, count - at))});
         for (int64_t i = 0; i < nb_p; ++i) readers[bi * nb_p + i] += flags[i] ? static_cast<int32_t>(parts) : 0;
       }
-    // A cache block read by one or two groups is transposed in registers by each; by more, copied once
-    // into a tile that they all load (the copy costs about what two in-register transposes cost).
+    // A cache block read by up to four groups is transposed in registers by each; by more, copied once
+    // into a tile that they all load. The copy costs about what two in-register transposes cost, but it
+    // is a parallel section of its own before the groups': in whole steps on two threads (2026-12-04,
+    // bench/results/step-costs.md) 5-8 rows (3-4 groups per KV head at head width 64) ran 3-9% faster
+    // without tiles, 12-16 rows 3-10% slower.
     job.direct = in_place && d % 16 == 0 &&
-                 (readers.empty() || *std::max_element(readers.begin(), readers.end()) <= 2);
+                 (readers.empty() || *std::max_element(readers.begin(), readers.end()) <= 4);
     if (in_place && !job.direct) {
       tiles.resize(static_cast<size_t>(b * kv * n_tiles * d * kKeys));
       job.tiles = tiles.data();
