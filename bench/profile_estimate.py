@@ -42,8 +42,11 @@ def candidate(text: str):
     return resolve_profile(text)
 
 
-def step_curve(engine, past: int, repeats: int) -> dict[int, float]:
-    """Median wall time of a forward pass per width, relative to a one-token pass (widths interleaved)."""
+def step_curve(engine, past: int, repeats: int, burst: int = 1) -> dict[int, float]:
+    """Median wall time of a forward pass per width, relative to a one-token pass (widths interleaved).
+    ``burst``: passes of one width back to back per measurement, timed by the median of the second
+    half — the steady state of a decoding loop (``bench/step_costs.py --burst``); 1: one pass after a
+    pause, which starts cold and flattens the curve."""
     from lade_export.feeds import example_feeds
 
     feeds = {s: example_feeds(engine.dims, step=s, past=past, kv_layout=engine.kv_layout, dtype=engine.kv_dtype)
@@ -55,9 +58,12 @@ def step_curve(engine, past: int, repeats: int) -> dict[int, float]:
     for r in range(repeats):
         for s in order[r % len(order):] + order[:r % len(order)]:
             time.sleep(0.01)
-            t = time.perf_counter()
-            engine.run(feeds[s])
-            times[s].append(time.perf_counter() - t)
+            passes = []
+            for _ in range(burst):
+                t = time.perf_counter()
+                engine.run(feeds[s])
+                passes.append(time.perf_counter() - t)
+            times[s].append(statistics.median(passes[burst // 2:]))
     base = statistics.median(times[1])
     return {s: statistics.median(v) / base for s, v in times.items()}
 
@@ -83,6 +89,9 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--burst", type=int, default=1, help="passes of one width back to back per measurement, timed "
+                        "by the median of the second half (the steady state of decoding; default 1: one pass after a "
+                        "pause)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -97,7 +106,7 @@ def main() -> None:
     limits = args.limit or [8] * len(args.dataset)
     model = lade_export.load(args.artifact, threads=args.threads)
     decoder, engine = model.decoder, model.decoder.engine
-    curve = step_curve(engine, args.past, args.repeats)
+    curve = step_curve(engine, args.past, args.repeats, max(args.burst, 1))
     widths = []
     run = engine.run
 
@@ -107,7 +116,8 @@ def main() -> None:
 
     engine.run = recording
     lines = [f"Profiles priced on {args.artifact.name}'s step-cost curve ({args.threads} threads, {args.past} cached "
-             f"tokens, wall clock, median of {args.repeats}): "
+             f"tokens, wall clock, median of {args.repeats}"
+             f"{f', each the median of the last {args.burst - args.burst // 2} of {args.burst} back to back' if args.burst > 1 else ''}): "
              + ", ".join(f"{s}: {c:.2f}" for s, c in sorted(curve.items())), ""]
     for dataset, first, limit in zip(args.dataset, firsts, limits):
         kept, _ = fit_prompts(decoder, model.tokenizer, load_prompts(dataset, limit=limit, skip=first), True)
