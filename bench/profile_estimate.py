@@ -94,6 +94,8 @@ def main() -> None:
                         "pause)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.burst < 1:
+        parser.error("--burst must be at least 1")
 
     import lade_export
     from lade_export.artifact import write_text_atomic
@@ -106,7 +108,7 @@ def main() -> None:
     limits = args.limit or [8] * len(args.dataset)
     model = lade_export.load(args.artifact, threads=args.threads)
     decoder, engine = model.decoder, model.decoder.engine
-    curve = step_curve(engine, args.past, args.repeats, max(args.burst, 1))
+    curve = step_curve(engine, args.past, args.repeats, args.burst)
     widths = []
     run = engine.run
 

@@ -57,6 +57,8 @@ def main() -> None:
     from lade_export.evaluation.tune import measure_step_costs
 
     curves = {}
+    if args.burst != 1 and not args.interleave:
+        parser.error("--burst times interleaved measurements: add --interleave")
     if args.interleave:
         if args.cpu_time and args.threads != 1:
             parser.error("--cpu-time measures one-thread sessions: add --threads 1")

@@ -617,3 +617,24 @@ def test_a_file_system_error_no_check_foresaw_is_one_line(tmp_path, stories_dir,
     result = invoke("build", "--model", stories_dir, "--out", tmp_path / "o")
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [f"error: No space left on device: {tmp_path / 'o' / 'model.onnx.data'}"]
+
+
+def test_a_dry_run_does_not_probe_its_out_folder(stories_dir):
+    result = invoke("build", "--out", "/sys/lade-export-test/o", "--model", stories_dir, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "nothing was written"
+
+
+def test_a_cleanup_that_fails_after_an_interrupt_still_exits_130(tmp_path, stories_dir, monkeypatch):
+    import lade_export.export.build as build_module
+
+    def interrupted_then_cleanup_fails(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise PermissionError(13, "Permission denied", str(tmp_path / ".o.lock"))
+
+    monkeypatch.setattr(build_module, "build_artifact", interrupted_then_cleanup_fails)
+    result = invoke("build", "--model", stories_dir, "--out", tmp_path / "o")
+    assert result.exit_code == 130
+    assert result.stderr.splitlines() == ["error: interrupted"]

@@ -505,6 +505,37 @@ def _attention_rows(library, past_layout=None, threads=2, half_cache=False):
     return _session(library, [node], {}, [(n, t, None) for n, t in names], threads=threads)
 
 
+def test_half_cache_attention_of_a_batch_entry_is_its_bits_alone(library):
+    """AttentionRowsHalfCache over a batch of 2 (each entry its own cache of 37 tokens: a
+    partial last block) and a step of 16 rows, 3 query heads per KV head — enough groups per
+    head that the keys are tiled and the values widened once into tiles (AVX-512) — gives each
+    batch entry the bits it gets alone, with lookahead-style masks and NaN in columns no row sees."""
+    rng = np.random.default_rng(5)
+    kv, group, d, past, width = 2, 3, 64, 37, 16
+    session = _attention_rows(library, past_layout=1, threads=2, half_cache=True)
+    n = past + width
+    keys = rng.standard_normal((2, n, kv, d)).astype(np.float16)
+    values = rng.standard_normal((2, n, kv, d)).astype(np.float16)
+    keys[:, 20:23] = values[:, 20:23] = np.nan  # no row sees these columns
+    q = rng.standard_normal((2, kv, group * width, d)).astype(np.float32)
+    sees = np.tril(np.ones((width, n), bool), k=past) & (rng.random((2, width, n)) < 0.8)
+    sees[:, np.arange(width), past + np.arange(width)] = True
+    sees[:, :, 20:23] = False
+
+    def run(at):  # batch entries ``at`` (a slice)
+        return session.run(None, {
+            "q": np.ascontiguousarray(q[at]), "pk": np.ascontiguousarray(keys[at, :past]),
+            "pv": np.ascontiguousarray(values[at, :past]),
+            "k": np.ascontiguousarray(keys[at, past:].astype(np.float32).transpose(0, 2, 3, 1)),
+            "v": np.ascontiguousarray(values[at, past:].astype(np.float32).transpose(0, 2, 1, 3)),
+            "m": np.ascontiguousarray(~sees[at][:, None, None])})[0]
+
+    both = run(slice(0, 2))
+    assert np.isfinite(both).all()
+    for b in range(2):
+        assert np.array_equal(run(slice(b, b + 1))[0], both[b])
+
+
 def test_attention_rows_bits_do_not_depend_on_masked_columns_or_the_cache_layout(library):
     """A packed pass's rows: each row's output is the same bits over its own request's
     columns alone as inside a pool with other requests' columns, unused room (NaN here: a

@@ -64,7 +64,7 @@ from .common import _artifact_dir, _artifact_out, _console, _profiles, main
               help="TensorRT engines: context bound of their optimization profiles (default: the model's).")
 @click.option("--version-compatible", is_flag=True, help="TensorRT version-compatible engines (for later runtimes).")
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT engines for any Ampere-or-newer GPU.")
-@click.option("--dry-run", is_flag=True, help="Print what would be built (engines, optimization profiles); write nothing.")
+@click.option("--dry-run", is_flag=True, is_eager=True, help="Print what would be built (engines, optimization profiles); write nothing.")
 def build(source, profile_values, out, force, threads, engine, precision, block_size, accuracy_level, head_bits,
           kernels, compute, attention, timing_cache, max_batch, max_prompt, max_context, version_compatible,
           hardware_compatible, dry_run):

@@ -69,9 +69,12 @@ class _Group(click.Group):
                        f"{first}pip install 'lade-export[{extra}]'", err=True)
             sys.exit(2)
         except OSError as err:  # the file system refused something no check foresaw: one line, not a traceback
-            if isinstance(err, BrokenPipeError):
+            if isinstance(err.__context__, KeyboardInterrupt):  # a cleanup after an interrupt failed too
+                click.echo("error: interrupted", err=True)
+                sys.exit(130)
+            if isinstance(err, BrokenPipeError) or not err.filename:  # not a file's: its own handlers say it
                 raise
-            where = f": {err.filename}" if err.filename else ""
+            where = f": {err.filename}" + (f" -> {err.filename2}" if err.filename2 else "")
             click.echo(f"error: {err.strerror or err}{where}", err=True)
             sys.exit(2)
         except KeyboardInterrupt as err:
@@ -100,15 +103,21 @@ def _probe_writable(folder: Path) -> None:
         raise click.BadParameter(f"{at} is not a folder")
     try:
         fd, name = tempfile.mkstemp(prefix=".lade-export-probe-", dir=at)
-        os.close(fd)
-        os.unlink(name)
     except OSError as err:
         raise click.BadParameter(f"cannot write in {at}: {err.strerror or err}") from None
+    os.close(fd)
+    try:
+        os.unlink(name)
+    except OSError as err:  # a folder that takes files but not their removal (append-only): say what was left
+        raise click.BadParameter(f"cannot remove files in {at} ({name} is left there): {err.strerror or err}") from None
 
 
 def _writable_beside(ctx, param, value):
     """``--out`` of a file or directory written beside itself and renamed into place (build,
-    export, tune): its folder must take new files. Checked before any work is done."""
+    export, tune): its folder must take new files. Checked before any work is done; not for
+    ``build --dry-run``, which writes nothing (an eager option, so it is known here)."""
+    if ctx.params.get("dry_run"):
+        return value
     if value is not None and str(value).strip():
         _probe_writable(Path(value).parent)
     return value

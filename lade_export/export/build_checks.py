@@ -132,10 +132,12 @@ def quality_prompts(tokenizer, chat: bool, count: int = 4) -> tuple[list[list[in
     try:
         texts = [p.text for p in load_prompts("mt_bench", limit=count, chat=chat)]
         label = f"the first {len(texts)} MT-Bench questions"
-    except GenerationError:
+    except GenerationError as err:
         texts = [PARITY_PROMPT]
-        label = (f"the build's parity prompt (MT-Bench not found under {datasets_root()}: set LADE_DATASETS to "
-                 f"the datasets folder)")
+        root = datasets_root()
+        why = (f"MT-Bench not found under {root}: set LADE_DATASETS to the datasets folder"
+               if not (root / "mt_bench" / "question.jsonl").is_file() else f"MT-Bench unreadable: {err}")
+        label = f"the build's parity prompt ({why})"
     out = []
     for text in texts:
         if chat and getattr(tokenizer, "chat_template", None):
