@@ -163,6 +163,39 @@ class PassRecord(NamedTuple):
     leader: int
 
 
+class _RequestChunks:
+    """The iterator :meth:`Scheduler.stream` returns: the request's chunks, and a ``close``
+    that ends the request whether or not its chunks were ever read. (A generator closed or
+    dropped before its first ``next`` never runs its ``finally``; the request was queued
+    already and would keep its batch slot and KV room.) Closing from another thread while
+    the reader waits in ``next`` ends the request at the next pass boundary; the reader then
+    gets a last chunk, ``stop_reason`` "cancelled"."""
+
+    __slots__ = ("_chunks", "_req")
+
+    def __init__(self, chunks: Iterator[Chunk], req: "_Request"):
+        self._chunks, self._req = chunks, req
+
+    def __iter__(self) -> "_RequestChunks":
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._req.closed.set()  # the next plan (or admission) lets the request go
+        try:
+            self._chunks.close()
+        except ValueError:  # "generator already executing": a reader waits in next(); it ends as above
+            pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # an interpreter shutting down
+            pass
+
+
 class _Request:
     """One request's state inside the scheduler (private: only the thread running a pass changes it)."""
 
@@ -327,7 +360,7 @@ class Scheduler:
                 raise GenerationError("the scheduler is closed")
             self._pending.append(req)
             self._cond.notify_all()
-        return self._chunks(req)
+        return _RequestChunks(self._chunks(req), req)
 
     def _chunks(self, req: _Request) -> Iterator[Chunk]:
         try:
@@ -408,6 +441,7 @@ class Scheduler:
         """Admit waiting requests, plan and run one pass; False when there was nothing to run."""
         clock = self.timeline is not None
         t0 = time.perf_counter()  # the pass's cost, host work included, is what the width policy weighs
+        ended = self._expire_pending()
         with self._cond:
             while (self._pending and len(self._active) < self.max_batch
                    and self._reserved + self._pending[0].need <= self.kv_tokens):
@@ -417,13 +451,36 @@ class Scheduler:
                 self._active.append(req)
         items = self._plan()
         if not items:
-            return False
+            return ended
         try:
             self._pass(items, (t0, time.perf_counter(), len(self._pending)) if clock else None, t0)
         except Exception as err:  # a fault of the pass itself: fail its requests, keep serving
             for req, _ in items:
                 self._fail(req, err)
         return True
+
+    def _expire_pending(self) -> bool:
+        """Requests still waiting for admission that were closed, cancelled or timed out end
+        now (a last chunk; they hold no KV room yet), not when they would be admitted.
+        Returns whether any ended."""
+        ended = []
+        now = time.perf_counter()
+        with self._cond:
+            for req in list(self._pending):
+                try:
+                    reason = ("cancelled" if req.closed.is_set() or (req.cancel is not None and req.cancel.is_set())
+                              else "timeout" if req.deadline is not None and now >= req.deadline else None)
+                except Exception as err:  # the request's own cancel event failed
+                    reason = err
+                if reason is not None:
+                    self._pending.remove(req)
+                    ended.append((req, reason))
+        for req, reason in ended:
+            if isinstance(reason, BaseException):
+                self._fail(req, reason)
+            else:
+                self._finish(req, reason, [])
+        return bool(ended)
 
     def _leave(self, req: _Request) -> None:
         with self._cond:
@@ -463,8 +520,8 @@ class Scheduler:
         adaptive = getattr(self.width_policy, "adaptive", False)
         steps = []  # requests whose decode step is prepared, in row order
         for req in order:
-            if req.closed.is_set():
-                self._leave(req)
+            if req.closed.is_set():  # a last chunk (a reader still waiting in next() gets it), and out
+                self._finish(req, "cancelled", [])
                 continue
             if not req.ready or req.out.qsize() >= self.max_unread:
                 continue
@@ -500,9 +557,12 @@ class Scheduler:
         for req in active:  # arrival order
             if req.ready or req.closed.is_set():
                 continue
-            try:  # cancelled while its prompt is prefilled: it leaves now, not after its prefill
+            try:  # cancelled or timed out while its prompt is prefilled: it leaves now, not after its prefill
                 if req.cancel is not None and req.cancel.is_set():
                     self._finish(req, "cancelled", [])
+                    continue
+                if req.deadline is not None and time.perf_counter() >= req.deadline:
+                    self._finish(req, "timeout", [])
                     continue
             except Exception as err:  # its cancel event failed
                 self._fail(req, err)

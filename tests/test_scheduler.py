@@ -312,6 +312,66 @@ def test_a_batched_stream_cancels_and_closes_like_an_unbatched_one(models, refer
     assert batched.scheduler.active_requests == 0 and batched.scheduler.pool.used == 0
 
 
+def test_a_stream_closed_or_dropped_before_its_first_chunk_leaves_the_scheduler(stories_artifact, reference_greedy):
+    """A stream never read (closed, left through a ``with`` by an exception, or dropped) ends
+    its request: its batch slot and KV room come back. (Its generator never started, so its
+    ``finally`` never ran: nine such streams used to fill max_batch and hang the next request.)"""
+    import lade_export
+
+    with lade_export.load(stories_artifact, batching=True, max_batch=2) as model:
+        for _ in range(3):
+            with pytest.raises(ValueError):
+                with model.stream("Once upon a time", max_new_tokens=200, profile="greedy"):
+                    raise ValueError("the client left before the first chunk")
+            model.stream("Once upon a time", max_new_tokens=200).close()
+            dropped = model.stream("The little dog", max_new_tokens=200)
+            del dropped
+            gc.collect()
+        done = []
+        worker = threading.Thread(target=lambda: done.append(model.generate(reference_greedy["cases"][0]["prompt_ids"],
+                                                                            max_new_tokens=20, profile="greedy")))
+        worker.start()
+        worker.join(timeout=60)
+        assert done and done[0].token_ids == reference_greedy["cases"][0]["greedy_ids"][:20]
+        assert model.scheduler.active_requests == 0 and model.scheduler.pool.used == 0
+
+
+def test_a_stream_closed_from_another_thread_ends_its_reader_with_a_last_chunk(stories_artifact):
+    import lade_export
+
+    with lade_export.load(stories_artifact, batching=True) as model:
+        stream = model.stream("Once upon a time", max_new_tokens=400, profile="greedy")
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(stream))
+        reader.start()
+        while not got:
+            time.sleep(0.001)
+        stream.close()  # the reader is inside next(): the request ends at the next pass boundary
+        reader.join(timeout=60)
+        assert not reader.is_alive() and got[-1].stop_reason == "cancelled"
+        assert sum(len(c.token_ids) for c in got) < 400
+        assert model.scheduler.active_requests == 0 and model.scheduler.pool.used == 0
+
+
+def test_a_timeout_ends_a_request_still_waiting_for_a_slot_or_in_its_prefill(stories_artifact):
+    """``timeout_s`` holds from the submission: a request waiting for admission, or whose long
+    prompt is still being prefilled in chunks, ends at the first pass boundary after it, as a
+    cancelled one does (it used to wait for a slot and for its whole prefill first)."""
+    import lade_export
+
+    with lade_export.load(stories_artifact, batching=True, max_batch=1) as model:
+        holder = model.stream("Once upon a time", max_new_tokens=400, profile="greedy")
+        next(holder)  # holds the only slot
+        t0 = time.perf_counter()
+        waiting = model.generate("The little dog", max_new_tokens=20, timeout_s=0.05)
+        assert waiting.stop_reason == "timeout" and waiting.token_ids == []
+        assert time.perf_counter() - t0 < 5
+        holder.close()
+        long = model.stream(list(range(1, 300)), max_new_tokens=4, timeout_s=0.001)
+        assert list(long)[-1].stop_reason == "timeout" and long.result.token_ids == []
+        assert model.scheduler.active_requests == 0 and model.scheduler.pool.used == 0
+
+
 # Requests TensorRT engines small (steps ≤ 9) and wide (≤ 31) of art10 cover.
 TENSORRT_REQUESTS = [REQUESTS[0], (1, "wide", None, (), 128), REQUESTS[2], REQUESTS[4], REQUESTS[5], REQUESTS[6]]
 
