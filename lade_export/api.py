@@ -272,7 +272,10 @@ class Model:
         params = self.sampling_params(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode(prompt, chat, parse_special_in_messages=parse_special_in_messages)
         prof = self.resolve_profile(profile, lookahead)
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        stops = [stop] if isinstance(stop, str) else stop  # a list (or iterable) of strings: checked by the runner
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise GenerationError(f"cancel must be a threading.Event (anything with is_set()), got "
+                                  f"{type(cancel).__name__}")
         own = threading.Event()
         either = _AnyEvent(own, cancel) if cancel is not None else own
         runner = self.scheduler or self.decoder

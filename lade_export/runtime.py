@@ -43,6 +43,7 @@ from .lookahead import StopRules, new_state
 from .profile import GREEDY, LookaheadProfile, request_profile
 from .sampling import SamplingParams, is_integer_number, is_real_number, shown_value
 from .specs import ModelDims
+from .tokenizer import check_text
 
 
 class Engine(Protocol):
@@ -414,7 +415,14 @@ class Decoder:
         max_new_tokens = int(max_new_tokens)
         if timeout_s is not None and not (is_real_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
             raise GenerationError(f"timeout_s must be a finite number of seconds > 0, got {shown_value(timeout_s)}")
-        if any(s == "" for s in stop or ()):
+        if isinstance(stop, (str, bytes)) or not hasattr(stop or (), "__iter__"):
+            raise GenerationError(f"stop must be a list of strings, got {shown_value(stop)}")
+        stop = tuple(stop or ())
+        for s in stop:
+            if not isinstance(s, str):
+                raise GenerationError(f"stop strings must be strings, got {shown_value(s)}")
+            check_text(s, "a stop string")
+        if any(s == "" for s in stop):
             raise GenerationError("stop strings must not be empty")
         outside = next((t for t in prompt if not 0 <= t < self.dims.vocab), None)
         if outside is not None:
@@ -423,7 +431,7 @@ class Decoder:
             raise GenerationError("stop strings need a tokenizer")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise GenerationError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        return CheckedRequest(prompt, max_new_tokens, profile, tuple(stop or ()), self.request_stop_ids(stop_token_ids),
+        return CheckedRequest(prompt, max_new_tokens, profile, stop, self.request_stop_ids(stop_token_ids),
                               sampling or SamplingParams(), timeout_s, plan)
 
     def request_stop_ids(self, stop_token_ids=None) -> frozenset:

@@ -94,7 +94,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS, when
-        ``add_special_tokens``)."""
+        ``add_special_tokens``).
+
+        Raises:
+            GenerationError: ``text`` is not a string of valid Unicode (a lone surrogate,
+                which no UTF-8 text holds; :func:`check_text`).
+        """
+        check_text(text, "the prompt")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -119,6 +125,7 @@ class Tokenizer:
         """
         if self.chat_template is None:
             raise GenerationError("this model has no chat template; pass plain text (--no-chat)")
+        messages = _checked_messages(messages)
         from jinja2 import TemplateError
 
         try:
@@ -148,6 +155,7 @@ class Tokenizer:
         Raises:
             GenerationError: see :meth:`render_chat`.
         """
+        messages = _checked_messages(messages)
         if parse_special_in_messages:
             return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
         masked, originals, mark = self._mask_control_strings(messages)
@@ -174,6 +182,7 @@ class Tokenizer:
         Raises:
             GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
         """
+        check_text(text, "the prompt")
         if chat:
             return self.apply_chat_template([{"role": "user", "content": text}],
                                             parse_special_in_messages=parse_special_in_messages)
@@ -286,6 +295,48 @@ class Tokenizer:
         from .detokenize import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def check_text(text, what: str) -> None:
+    """Raise :class:`~lade_export.errors.GenerationError` unless ``text`` is a string that
+    UTF-8 can hold: a lone surrogate (``"\\ud800"``, what a JSON escape or a bad decode can
+    give) has no UTF-8 form, and the tokenizer would fail on it with a TypeError."""
+    if not isinstance(text, str):
+        raise GenerationError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise GenerationError(f"{what} is not valid Unicode text: a lone surrogate U+{ord(text[err.start]):04X} at "
+                              f"character {err.start}") from None
+
+
+def _checked_messages(messages) -> list[dict]:
+    """Chat messages as the template takes them: each a dict with a string ``role`` and a
+    ``content`` that is a string or a list of text parts (``{"type": "text", "text": …}``,
+    joined, as the OpenAI-compatible server does); other keys kept.
+
+    Raises:
+        GenerationError: a message of another shape (one line naming it).
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise GenerationError(f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise GenerationError(f"messages[{i}] needs a string role")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise GenerationError(f"messages[{i}].content: only text parts ({{type: text, text}}) are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise GenerationError(f"messages[{i}].content must be a string or a list of text parts, got "
+                                  f"{'nothing' if content is None else type(content).__name__}")
+        check_text(content, f"messages[{i}].content")
+        check_text(m["role"], f"messages[{i}].role")
+        out.append({**m, "content": content})
+    return out
 
 
 def _message_strings(message: dict):

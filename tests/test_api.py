@@ -369,3 +369,10 @@ def test_a_refused_scheduler_option_closes_the_engine_load_opened(stories_artifa
     with pytest.raises(GenerationError, match=r"^token_budget must be an integer ≥ 1, got 0$"):
         lade_export.load(stories_artifact, batching=True, token_budget=0)
     assert len(opened) == 1 and opened[0].session is None  # closed, not left to the collector
+
+
+def test_a_closed_model_refuses_in_one_typed_line(stories_artifact):
+    model = lade_export.load(stories_artifact)
+    model.close()
+    with pytest.raises(GenerationError, match=r"^the model was closed \(Model.close\); load it again to decode$"):
+        model.generate("Once upon a time", max_new_tokens=4)

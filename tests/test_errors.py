@@ -500,7 +500,7 @@ def test_every_documented_row_has_a_test():
                                    "build-parity-transformers", "prompt-file-bom", "compare-record-too-long", "missing-extra",
                                    "generate-profile-wider-than-step-room", "api-token-id-outside-vocab",
                                    "generate-tiny-temperature", "sampling-non-finite-logits", "api-timeout-not-positive",
-                                   "api-numpy-numbers", "chat-control-strings", "dataset-not-found", "cpp-host-no-pybind11",
+                                   "api-numpy-numbers", "api-values-of-the-wrong-kind", "chat-control-strings", "dataset-not-found", "cpp-host-no-pybind11",
                                    "artifact-lade-kernels-old-onnxruntime",  # tests/test_fresh_clone.py
                                    # tests/test_cli.py
                                    "generate-prompt-file-stdin", "generate-interrupted", "generate-stdout-closed",

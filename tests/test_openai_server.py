@@ -444,6 +444,8 @@ MALFORMED = [
      "prompt must be one prompt; this server takes one per request, got 2"),
     ("/v1/completions", {**C, "prompt": [1, 70000]}, 400, None, None,
      "token id 70000 is outside the vocabulary (0..511)"),
+    ("/v1/completions", b'{"model": "stories", "prompt": "hi \\ud800", "max_tokens": 4}', 400, None, None,
+     "the prompt is not valid Unicode text: a lone surrogate U+D800 at character 3"),
     ("/v1/completions", {**C, "prompt": [300] * 600, "max_tokens": 1}, 400, "prompt", "context_length_exceeded",
      "the prompt is 600 tokens; this server takes at most 511"),
     ("/v1/completions", {**C, "lookahead": {"profile": "wide"}}, 400, "lookahead", "unknown_profile",

@@ -162,3 +162,47 @@ def test_cli_and_triton_refuse_an_empty_stop_string_with_the_same_message(storie
     with pytest.raises(GenerationError) as info:
         protocol.parse_request(_inputs(prompt="hi", stop=["."] + [""]), SETTINGS)
     assert str(info.value) == EMPTY_STOP
+
+
+# -- values of other types, and text that UTF-8 cannot hold ---------------------------------
+
+@pytest.mark.parametrize("request_values, message", [
+    (dict(prompt="Once upon a time \ud800"),
+     "the prompt is not valid Unicode text: a lone surrogate U+D800 at character 17"),
+    (dict(prompt=[{"role": "user", "content": "hi \udc00"}]),
+     "messages[0].content is not valid Unicode text: a lone surrogate U+DC00 at character 3"),
+    (dict(prompt="Once upon a time", stop=5), "stop must be a list of strings, got 5"),
+    (dict(prompt="Once upon a time", stop=[5]), "stop strings must be strings, got 5"),
+    (dict(prompt="Once upon a time", stop=b"x"), "stop must be a list of strings, got b'x'"),
+    (dict(prompt="Once upon a time", stop=["\ud800"]),
+     "a stop string is not valid Unicode text: a lone surrogate U+D800 at character 0"),
+    (dict(prompt="Once upon a time", cancel=True),
+     "cancel must be a threading.Event (anything with is_set()), got bool"),
+    (dict(prompt=[{"role": "user", "content": None}]),
+     "messages[0].content must be a string or a list of text parts, got nothing"),
+    (dict(prompt=[{"role": "user"}]), "messages[0].content must be a string or a list of text parts, got nothing"),
+    (dict(prompt=[{"role": "user", "content": 5}]), "messages[0].content must be a string or a list of text parts, got int"),
+    (dict(prompt=[{"content": "hi"}]), "messages[0] needs a string role"),
+    (dict(prompt=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
+     "messages[0].content: only text parts ({type: text, text}) are supported"),
+], ids=["surrogate", "message-surrogate", "stop-int", "stop-list-int", "stop-bytes", "stop-surrogate", "cancel-bool",
+        "content-none", "content-missing", "content-int", "role-missing", "content-image"])
+def test_values_of_the_wrong_kind_are_one_typed_line_before_any_work(model, request_values, message):
+    from .test_control_tokens import _stories_chat
+
+    request_values = dict(request_values)
+    prompt = request_values.pop("prompt")
+    with pytest.raises(GenerationError) as err:
+        if isinstance(prompt, list):  # stories260K has no chat template: its tokenizer with one (what encode calls)
+            _stories_chat().apply_chat_template(prompt)
+        else:
+            model.generate(prompt, max_new_tokens=4, **request_values)
+    assert str(err.value) == message
+
+
+def test_text_parts_of_a_message_read_as_their_joined_string():
+    from .test_control_tokens import _stories_chat
+
+    tok = _stories_chat()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": " a time"}]}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "Once upon a time"}])

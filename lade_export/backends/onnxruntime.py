@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ArtifactError, BackendUnavailableError, EngineError, ProfileError
+from ..errors import ArtifactError, BackendUnavailableError, EngineError, GenerationError, ProfileError
 from ..specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
 
 
@@ -169,7 +169,10 @@ class OrtEngine:
 
         Raises:
             EngineError: ONNX Runtime failed to run the feeds (first line of its message).
+            GenerationError: the engine was closed (:meth:`close`).
         """
+        if self.session is None:
+            raise GenerationError("the model was closed (Model.close); load it again to decode")
         if self._shared:
             return self._run_shared(feeds, with_logits)
         if self.device_memory is not None:
