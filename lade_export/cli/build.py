@@ -85,6 +85,12 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     options.check(profiles)
     options.check_timing_cache(timing_cache)
     # before any work: no compiler or headers (downloaded now if missing, not in a dry run), nothing is written
+    if not dry_run and options.kernels == "lade" and options.quantized:
+        from ..kernels import HEADERS_PACKAGE, header_cache, headers_to_fetch
+
+        if headers_to_fetch():  # ~150 MB once: say so, or the first build looks stuck
+            click.echo(f"note: downloading ONNX Runtime's C/C++ headers ({HEADERS_PACKAGE}, ~150 MB, once) into "
+                       f"{header_cache()}", err=True)
     headers_at_hand, notes = options.prepare_kernels(fetch=not dry_run)
     for note in notes:
         click.echo(f"note: {note}", err=True)

@@ -212,6 +212,12 @@ def fetch_headers(dest: str | Path | None = None, url: str | None = None, timeou
     return dest
 
 
+def headers_to_fetch() -> bool:
+    """Whether a ``--kernels lade`` build would download the headers first: neither
+    ``$LADE_ORT_INCLUDE`` is set nor :func:`header_cache` holds them."""
+    return not os.environ.get("LADE_ORT_INCLUDE") and not (header_cache() / HEADER).is_file()
+
+
 def header_dir(fetch: bool = True) -> Path:
     """Directory holding ONNX Runtime's C/C++ API headers: ``$LADE_ORT_INCLUDE`` when set,
     else :func:`header_cache`, which :func:`fetch_headers` fills when empty and ``fetch``.
