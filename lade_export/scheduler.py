@@ -163,6 +163,17 @@ class PassRecord(NamedTuple):
     leader: int
 
 
+def _end_reason(req: "_Request") -> str | None:
+    """Why ``req`` ends at this pass boundary without another step: ``"cancelled"`` (closed,
+    or its cancel event set), ``"timeout"`` (past its deadline), else None. Raises what the
+    request's own cancel event raises."""
+    if req.closed.is_set() or (req.cancel is not None and req.cancel.is_set()):
+        return "cancelled"
+    if req.deadline is not None and time.perf_counter() >= req.deadline:
+        return "timeout"
+    return None
+
+
 class _RequestChunks:
     """The iterator :meth:`Scheduler.stream` returns: the request's chunks, and a ``close``
     that ends the request whether or not its chunks were ever read. (A generator closed or
@@ -464,12 +475,10 @@ class Scheduler:
         now (a last chunk; they hold no KV room yet), not when they would be admitted.
         Returns whether any ended."""
         ended = []
-        now = time.perf_counter()
         with self._cond:
             for req in list(self._pending):
                 try:
-                    reason = ("cancelled" if req.closed.is_set() or (req.cancel is not None and req.cancel.is_set())
-                              else "timeout" if req.deadline is not None and now >= req.deadline else None)
+                    reason = _end_reason(req)
                 except Exception as err:  # the request's own cancel event failed
                     reason = err
                 if reason is not None:
@@ -526,11 +535,9 @@ class Scheduler:
             if not req.ready or req.out.qsize() >= self.max_unread:
                 continue
             try:
-                if req.cancel is not None and req.cancel.is_set():
-                    self._finish(req, "cancelled", [])
-                    continue
-                if req.deadline is not None and time.perf_counter() >= req.deadline:
-                    self._finish(req, "timeout", [])
+                reason = _end_reason(req)
+                if reason is not None:
+                    self._finish(req, reason, [])
                     continue
                 if req.t1 is None:
                     req.t1 = time.perf_counter()
@@ -558,11 +565,9 @@ class Scheduler:
             if req.ready or req.closed.is_set():
                 continue
             try:  # cancelled or timed out while its prompt is prefilled: it leaves now, not after its prefill
-                if req.cancel is not None and req.cancel.is_set():
-                    self._finish(req, "cancelled", [])
-                    continue
-                if req.deadline is not None and time.perf_counter() >= req.deadline:
-                    self._finish(req, "timeout", [])
+                reason = _end_reason(req)
+                if reason is not None:
+                    self._finish(req, reason, [])
                     continue
             except Exception as err:  # its cancel event failed
                 self._fail(req, err)

@@ -120,12 +120,16 @@ class Tokenizer:
         """The chat template applied to ``messages`` (``[{"role", "content"}]``), as text.
 
         Raises:
-            GenerationError: the model has no chat template, or the template raised
-                (e.g. ``raise_exception`` for a role order it does not accept).
+            GenerationError: a message of another shape (:func:`_checked_messages`), the model
+                has no chat template, or the template raised (e.g. ``raise_exception`` for a
+                role order it does not accept).
         """
+        return self._render(_checked_messages(messages), add_generation_prompt, **extra)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
+        """:meth:`render_chat` of messages already checked."""
         if self.chat_template is None:
             raise GenerationError("this model has no chat template; pass plain text (--no-chat)")
-        messages = _checked_messages(messages)
         from jinja2 import TemplateError
 
         try:
@@ -157,9 +161,9 @@ class Tokenizer:
         """
         messages = _checked_messages(messages)
         if parse_special_in_messages:
-            return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+            return self.encode(self._render(messages, add_generation_prompt, **extra), add_special_tokens=False)
         masked, originals, mark = self._mask_control_strings(messages)
-        text = self.render_chat(masked, add_generation_prompt, **extra)
+        text = self._render(masked, add_generation_prompt, **extra)
         if not originals:
             return self.encode(text, add_special_tokens=False)
         return self._encode_rendered(text, originals, mark)
@@ -182,8 +186,8 @@ class Tokenizer:
         Raises:
             GenerationError: ``chat`` without a chat template, or an empty prompt without BOS.
         """
-        check_text(text, "the prompt")
-        if chat:
+        if chat:  # checked here, so that an error names the prompt, not the message it is wrapped in
+            check_text(text, "the prompt")
             return self.apply_chat_template([{"role": "user", "content": text}],
                                             parse_special_in_messages=parse_special_in_messages)
         ids = self.encode(text) if text else []

@@ -301,7 +301,7 @@ def require_toolchain(fetch: bool = True) -> bool:
         BackendUnavailableError: as :func:`find_compiler` and :func:`header_dir` do.
     """
     find_compiler()
-    if not fetch and not os.environ.get("LADE_ORT_INCLUDE") and not (header_cache() / HEADER).is_file():
+    if not fetch and headers_to_fetch():
         return False
     header_dir(fetch)
     return True
