@@ -117,11 +117,15 @@ from .ngram import StepLayout, step_template
 from .width_acceptance import Acceptance
 from .width_cost import PRIOR_COST, CostCurve, OnlineCostCurve
 
-__all__ = ["PRIOR_ACCEPT", "PRIOR_COST", "WIDTHS", "Acceptance", "AdaptiveWidth", "CostCurve", "OnlineCostCurve",
+__all__ = ["POLICY_NAMES", "PRIOR_ACCEPT", "PRIOR_COST", "WIDTHS", "Acceptance", "AdaptiveWidth", "CostCurve", "OnlineCostCurve",
            "Option", "ProfileWidth", "candidate_depth", "make_policy", "narrowed", "width_caps"]
 
 #: Width classes, narrowest first.
 WIDTHS = ("one-token", "candidates", "half-window", "profile")
+
+#: The policies an option names (:func:`make_policy`): ``adaptive`` (:class:`AdaptiveWidth`)
+#: and ``profile`` (:class:`ProfileWidth`).
+POLICY_NAMES = ("adaptive", "profile")
 
 #: Calibration (:attr:`AdaptiveWidth.calibration`): weight of its prior ratio 1.0, in extra
 #: tokens; decay per widened step observed (memory ≈ 20 steps); decay per choice (a pass

@@ -45,7 +45,7 @@ def test_stop_ends_the_requests_in_flight_instead_of_waiting_out_the_exit_timeou
     finally:
         server.stop()
     log = server.log_text()
-    assert ("scheduler: max_batch 16, token_budget 64, kv_tokens 8192" if batching
+    assert ("scheduler: max_batch 16, token_budget 64, kv_tokens 8192, width_policy adaptive" if batching
             else "no scheduler: up to 16 requests on their own passes") in log
     assert "stopped: the model is unloading after" in log
     assert "Exit timeout expired" not in log and server.process.returncode == 0, log[-2000:]

@@ -626,16 +626,18 @@ def test_serve_passes_the_scheduler_options_to_its_scheduler(stories_artifact, m
 
     def fake_run(server, sock, *, drain_s):  # what the server got, instead of serving
         s = server.model.scheduler
-        seen.update(max_batch=s.max_batch, token_budget=s.token_budget, kv_tokens=s.kv_tokens, drain_s=drain_s)
+        seen.update(max_batch=s.max_batch, token_budget=s.token_budget, kv_tokens=s.kv_tokens, drain_s=drain_s,
+                    policy=type(s.width_policy).__name__)
         return 0
 
     monkeypatch.setattr(openai_api, "run", fake_run)
     cli.main(["serve", str(stories_artifact), "--port", "0", "--max-concurrent", "3", "--token-budget", "16",
-              "--kv-tokens", "700", "--drain-timeout", "2"])
-    assert seen == {"max_batch": 3, "token_budget": 16, "kv_tokens": 700, "drain_s": 2.0}
+              "--kv-tokens", "700", "--drain-timeout", "2", "--width-policy", "profile"])
+    assert seen == {"max_batch": 3, "token_budget": 16, "kv_tokens": 700, "drain_s": 2.0, "policy": "ProfileWidth"}
     seen.clear()
     cli.main(["serve", str(stories_artifact), "--port", "0", "--max-concurrent", "3"])
-    assert seen == {"max_batch": 3, "token_budget": 64, "kv_tokens": 3 * 512, "drain_s": 30.0}  # the defaults
+    assert seen == {"max_batch": 3, "token_budget": 64, "kv_tokens": 3 * 512, "drain_s": 30.0,
+                    "policy": "AdaptiveWidth"}  # the defaults
 
 
 def test_serve_command_refusals_are_one_line(stories_artifact):

@@ -139,13 +139,15 @@ def test_settings_round_trip_through_parameters():
 
 def test_scheduler_settings_round_trip_and_default_by_backend():
     params = SETTINGS.to_parameters()
-    assert (params["batching"], params["token_budget"], params["kv_tokens"]) == ("true", "64", "0")
+    assert (params["batching"], params["token_budget"], params["kv_tokens"], params["width_policy"]) == (
+        "true", "64", "0", "adaptive")
     unbatched = protocol.ServingSettings(artifact_dir="/a", profiles={}, default_profile="greedy", batching=False,
-                                         token_budget=16, kv_tokens=2048)
+                                         token_budget=16, kv_tokens=2048, width_policy="profile")
     assert protocol.ServingSettings.from_parameters(unbatched.to_parameters()) == unbatched
     # a config written before the scheduler has no batching parameter: on for ort, off for tensorrt
-    old = {k: v for k, v in params.items() if k not in ("batching", "token_budget", "kv_tokens")}
+    old = {k: v for k, v in params.items() if k not in ("batching", "token_budget", "kv_tokens", "width_policy")}
     assert protocol.ServingSettings.from_parameters(old).batching is True
+    assert protocol.ServingSettings.from_parameters(old).width_policy == "adaptive"
     trt = protocol.ServingSettings.from_parameters({**old, "backend": "tensorrt", "device": "cuda"})
     assert (trt.batching, trt.token_budget, trt.kv_tokens) == (False, 64, 0)
     with pytest.raises(ServingError) as info:
@@ -156,6 +158,8 @@ def test_scheduler_settings_round_trip_and_default_by_backend():
         protocol.ServingSettings.from_parameters({**params, "batching": "yes"})
     with pytest.raises(ServingError, match="^token_budget must be an integer ≥ 1, got 0$"):
         protocol.ServingSettings.from_parameters({**params, "token_budget": "0"})
+    with pytest.raises(ServingError, match="^width_policy must be adaptive or profile, got 'wide'$"):
+        protocol.ServingSettings.from_parameters({**params, "width_policy": "wide"})
 
 
 def test_docs_list_every_tensor_with_its_type_and_shape():
@@ -220,14 +224,19 @@ def test_repository_passes_the_scheduler_options(tmp_path, stories_artifact):
             model / "config.pbtxt").read_text()
         return protocol.ServingSettings.from_parameters(params)
 
-    got = settings(max_concurrent_requests=4, token_budget=32, kv_tokens=1500)
-    assert (got.batching, got.max_concurrent_requests, got.token_budget, got.kv_tokens) == (True, 4, 32, 1500)
+    got = settings(max_concurrent_requests=4, token_budget=32, kv_tokens=1500, width_policy="profile")
+    assert (got.batching, got.max_concurrent_requests, got.token_budget, got.kv_tokens, got.width_policy) == (
+        True, 4, 32, 1500, "profile")
     got = settings()
-    assert (got.batching, got.token_budget, got.kv_tokens) == (True, 64, 0)
+    assert (got.batching, got.token_budget, got.kv_tokens, got.width_policy) == (True, 64, 0, "adaptive")
     assert settings(batching=False).batching is False
     with pytest.raises(ServingError) as info:
         write_model_repository(stories_artifact, tmp_path / "repo", name="m", force=True, batching=False, kv_tokens=9)
     assert str(info.value) == "--kv-tokens is an option of the scheduler, and this model has none (--no-batching)"
+    with pytest.raises(ServingError) as info:
+        write_model_repository(stories_artifact, tmp_path / "repo", name="m", force=True, batching=False,
+                               width_policy="profile")
+    assert str(info.value) == "--width-policy is an option of the scheduler, and this model has none (--no-batching)"
 
 
 def test_the_model_template_renders_the_default_config():
@@ -477,7 +486,9 @@ def test_smollm2_two_instances_four_streams_equal_in_process_greedy(tmp_path, sm
     with lade_export.load(smollm2_artifact) as model:
         assert model.tokenizer.has_chat_template
         want = [model.generate(p, max_new_tokens=64, lookahead=False) for p in prompts]  # chat template by default
-    write_model_repository(smollm2_artifact, tmp_path / "repo", name="smollm2", instances=2)
+    # profile widths: the adaptive policy may give a busy pass one-token steps, and then no
+    # step is saved; at full width the saving below holds whatever the machine's load
+    write_model_repository(smollm2_artifact, tmp_path / "repo", name="smollm2", instances=2, width_policy="profile")
     with LocalTritonServer(tmp_path / "repo", tmp_path / "run", env_dir=triton_env) as server:
         results = _run(_gather(server.grpc_url, [dict(prompt=p, max_new_tokens=64) for p in prompts], model="smollm2"))
         log = server.log_text()

@@ -147,6 +147,10 @@ _engine_threads = click.option("--threads", type=click.IntRange(min=1), default=
 _threads = click.option("--threads", type=click.IntRange(min=1), default=None)  # compare, tune
 _token_budget = click.option("--token-budget", type=click.IntRange(min=1), default=None,
                              help="Scheduler: rows of a pass that holds decode steps (default 64).")  # triton, serve
+_width_policy = click.option("--width-policy", type=click.Choice(["adaptive", "profile"]), default=None,
+                             help="Scheduler: how wide each request's lookahead step is: adaptive (default; from the "
+                                  "step-cost curve and each request's acceptance) or profile (always the request's "
+                                  "profile).")  # triton, serve
 
 
 def _kv_tokens(help: str):

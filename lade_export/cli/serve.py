@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 
 from ..errors import ProfileError
-from .common import _artifact_dir, _engine_threads, _kv_tokens, _token_budget, _writable_folder, main
+from .common import (_artifact_dir, _engine_threads, _kv_tokens, _token_budget, _width_policy, _writable_folder,
+                     main)
 
 
 @main.command()
@@ -37,14 +38,15 @@ from .common import _artifact_dir, _engine_threads, _kv_tokens, _token_budget, _
 @_token_budget
 @_kv_tokens(help="Scheduler: most tokens an instance's KV pool holds over its requests (default: "
                  "max-concurrent-requests x the model's context).")
+@_width_policy
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="Engine threads per instance (0: the engine's default).")
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository instead of referencing it.")
 @click.option("--artifact-path", default=None, help="The artifact's path as the server sees it (a mounted volume).")
 @click.option("--force", is_flag=True, help="Replace REPO/NAME if this command wrote it.")
 def triton(artifact_dir, repository, name, instances, profile_values, backend, device, max_new_tokens_limit,
-           default_max_new_tokens, max_concurrent_requests, no_batching, token_budget, kv_tokens, threads,
-           copy_artifact, artifact_path, force):
+           default_max_new_tokens, max_concurrent_requests, no_batching, token_budget, kv_tokens, width_policy,
+           threads, copy_artifact, artifact_path, force):
     """Write a Triton Inference Server model (Python backend, streamed responses) for an artifact
     (docs/serving.md)."""
     from ..serving.repository import serve_hints, write_model_repository
@@ -54,7 +56,7 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
         device=device, max_new_tokens_limit=max_new_tokens_limit, default_max_new_tokens=default_max_new_tokens,
         max_concurrent_requests=max_concurrent_requests, threads=threads, copy_artifact=copy_artifact,
         artifact_path=artifact_path, force=force, batching=False if no_batching else None,
-        token_budget=token_budget, kv_tokens=kv_tokens)
+        token_budget=token_budget, kv_tokens=kv_tokens, width_policy=width_policy)
     click.echo(f"wrote {out} (model {out.name!r})")
     for line in serve_hints(out.parent):
         click.echo(line)
@@ -86,9 +88,10 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
 @_token_budget
 @_kv_tokens(help="Scheduler: most tokens the KV pool holds over all requests (default: max-concurrent x the "
                  "model's context).")
+@_width_policy
 @_engine_threads
 def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max_concurrent, max_queue,
-          max_new_tokens_limit, max_body_bytes, drain_timeout, token_budget, kv_tokens, threads):
+          max_new_tokens_limit, max_body_bytes, drain_timeout, token_budget, kv_tokens, width_policy, threads):
     """Serve an artifact over the OpenAI HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics) with continuous batching (docs/serving.md)."""
     import os
@@ -107,7 +110,7 @@ def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max
     try:
         # every running request gets a place in the passes
         model = load(artifact_dir, batching=True, threads=threads, max_batch=max_concurrent,
-                     token_budget=token_budget, kv_tokens=kv_tokens)
+                     token_budget=token_budget, kv_tokens=kv_tokens, width_policy=width_policy)
         profiles = {}
         for value in profile_values or (None,):
             prof = model.resolve_profile(value)

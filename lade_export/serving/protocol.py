@@ -26,7 +26,8 @@ from ..errors import GenerationError, ProfileError, ServingError
 from ..sampling import SamplingParams
 from ..profile import GREEDY as GREEDY_PROFILE
 from ..profile import LookaheadProfile
-from ..scheduler import TOKEN_BUDGET
+from ..scheduler import TOKEN_BUDGET, WIDTH_POLICY
+from ..width_policy import POLICY_NAMES as WIDTH_POLICIES
 
 #: The profile name that means plain greedy decoding (no lookahead) on the server: the name
 #: of :data:`lade_export.profile.GREEDY`.
@@ -123,6 +124,11 @@ class ServingSettings:
             requests (float32 keys and values, allocated as requests need them); 0: the
             scheduler's default (``max_concurrent_requests`` × the model's context, capped
             on ``group-query-attention`` graphs); with ``batching`` only.
+        width_policy: how wide the scheduler makes each request's lookahead step:
+            ``adaptive`` (from the step-cost curve and each request's acceptance, the
+            default) or ``profile`` (every request's profile at full width, pass after
+            pass: steps and tokens per step as when the request runs alone);
+            :mod:`lade_export.width_policy`. With ``batching`` only.
     """
 
     artifact_dir: str
@@ -138,6 +144,7 @@ class ServingSettings:
     batching: bool = True
     token_budget: int = TOKEN_BUDGET
     kv_tokens: int = 0
+    width_policy: str = WIDTH_POLICY
 
     def __post_init__(self) -> None:
         if GREEDY in self.profiles:
@@ -157,6 +164,8 @@ class ServingSettings:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ServingError(f"{key} must be an integer ≥ {low}, got {value!r}")
+        if self.width_policy not in WIDTH_POLICIES:
+            raise ServingError(f"width_policy must be {' or '.join(WIDTH_POLICIES)}, got {self.width_policy!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ServingError(f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
                                f"max_new_tokens_limit ({self.max_new_tokens_limit})")
@@ -184,6 +193,7 @@ class ServingSettings:
             "batching": "true" if self.batching else "false",
             "token_budget": str(self.token_budget),
             "kv_tokens": str(self.kv_tokens),
+            "width_policy": self.width_policy,
         }
 
     @classmethod
@@ -231,6 +241,7 @@ class ServingSettings:
             batching=flag("batching", backend != "tensorrt"),
             token_budget=integer("token_budget", TOKEN_BUDGET),
             kv_tokens=integer("kv_tokens", 0),
+            width_policy=params.get("width_policy", WIDTH_POLICY),
         )
 
 

@@ -101,7 +101,8 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
                            max_new_tokens_limit: int | None = None, default_max_new_tokens: int | None = None,
                            max_concurrent_requests: int = 8, threads: int = 0, copy_artifact: bool = False,
                            artifact_path: str | None = None, force: bool = False, batching: bool | None = None,
-                           token_budget: int | None = None, kv_tokens: int | None = None) -> Path:
+                           token_budget: int | None = None, kv_tokens: int | None = None,
+                           width_policy: str | None = None) -> Path:
     """Write ``repository/<name>`` serving the artifact at ``artifact_dir``.
 
     Args:
@@ -132,6 +133,9 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         kv_tokens: the most tokens an instance's KV pool holds over its requests
             (default: the scheduler's, ``max_concurrent_requests`` × context); with
             batching only.
+        width_policy: how wide the scheduler makes each request's lookahead step,
+            ``adaptive`` (default) or ``profile`` (:mod:`lade_export.width_policy`); with
+            batching only.
 
     Returns:
         The model directory.
@@ -142,7 +146,7 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         ProfileError: a profile is invalid or does not fit the model's context.
         ServingError: a bad name, instance count, limit, backend/device combination,
             ``artifact_path`` together with ``copy_artifact``, or ``token_budget`` /
-            ``kv_tokens`` without batching.
+            ``kv_tokens`` / ``width_policy`` without batching, or an unknown ``width_policy``.
     """
     artifact = Artifact(artifact_dir)
     name = name or default_model_name(artifact)
@@ -161,7 +165,8 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
     if batching is None:
         batching = backend != "tensorrt"
     if not batching:
-        for flag, value in (("--token-budget", token_budget), ("--kv-tokens", kv_tokens)):
+        for flag, value in (("--token-budget", token_budget), ("--kv-tokens", kv_tokens),
+                            ("--width-policy", width_policy)):
             if value is not None:
                 why = "--no-batching" if backend != "tensorrt" else "the tensorrt backend, which serves without one"
                 raise ServingError(f"{flag} is an option of the scheduler, and this model has none ({why})")
@@ -198,6 +203,7 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         batching=batching,
         **({} if token_budget is None else {"token_budget": token_budget}),
         kv_tokens=kv_tokens or 0,
+        **({} if width_policy is None else {"width_policy": width_policy}),
     )
 
     from .. import __version__

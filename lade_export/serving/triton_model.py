@@ -9,8 +9,8 @@ model instance. It is only an adapter: request tensors are parsed and responses 
 * ``initialize`` loads the artifact named by the ``artifact_dir`` parameter once per
   instance (a relative path is read from the version directory) and, with the
   ``batching`` parameter (the default on ONNX Runtime), gives it one
-  :class:`lade_export.scheduler.Scheduler` (options ``token_budget``, ``kv_tokens``, and
-  ``max_concurrent_requests`` as its ``max_batch``): every request of the instance then
+  :class:`lade_export.scheduler.Scheduler` (options ``token_budget``, ``kv_tokens``,
+  ``width_policy``, and ``max_concurrent_requests`` as its ``max_batch``): every request of the instance then
   runs in the scheduler's shared forward passes, each output equal to its solo run.
 * ``execute`` parses each request and opens its stream (a bad request is answered with
   its error response right there), hands the reading of the stream to a worker thread
@@ -69,7 +69,8 @@ class TritonPythonModel:
                 artifact = Path(args["model_repository"]) / args["model_version"] / artifact
             batching = self.settings.batching
             scheduler = dict(token_budget=self.settings.token_budget, max_batch=self.settings.max_concurrent_requests,
-                             kv_tokens=self.settings.kv_tokens or None) if batching else {}
+                             kv_tokens=self.settings.kv_tokens or None,
+                             width_policy=self.settings.width_policy) if batching else {}
             self.model = lade_export.load(artifact, backend=self.settings.backend, threads=self.settings.threads or None,
                                           device=self.settings.device, verify=self.settings.verify, batching=batching,
                                           **scheduler)
@@ -82,7 +83,7 @@ class TritonPythonModel:
                                        thread_name_prefix=f"lade-{self.instance}")
         if self.scheduler is not None:
             batching = (f"scheduler: max_batch {self.scheduler.max_batch}, token_budget {self.scheduler.token_budget}, "
-                        f"kv_tokens {self.scheduler.kv_tokens}")
+                        f"kv_tokens {self.scheduler.kv_tokens}, width_policy {self.settings.width_policy}")
         else:
             batching = f"no scheduler: up to {self.settings.max_concurrent_requests} requests on their own passes"
         pb_utils.Logger.log_info(f"{self.instance}: loaded {artifact} on {self.settings.backend}/{self.settings.device} "
@@ -143,12 +144,12 @@ class TritonPythonModel:
     def _scheduler_stats(self) -> dict:
         """The instance's scheduler counters since it loaded: ``passes`` (forward passes),
         ``shared_passes`` (passes that carried more than one request), ``most_requests_per_pass``,
-        and its options ``max_batch``, ``token_budget``, ``kv_tokens``."""
+        and its options ``max_batch``, ``token_budget``, ``kv_tokens``, ``width_policy``."""
         s = self.scheduler
         shapes = dict(s.pass_shapes)  # (requests, rows) -> passes; a copy, the lead thread adds to it
         return {"passes": s.passes, "shared_passes": sum(n for (k, _), n in shapes.items() if k > 1),
                 "most_requests_per_pass": max((k for k, _ in shapes), default=0), "max_batch": s.max_batch,
-                "token_budget": s.token_budget, "kv_tokens": s.kv_tokens}
+                "token_budget": s.token_budget, "kv_tokens": s.kv_tokens, "width_policy": self.settings.width_policy}
 
     def _decode(self, sender, rid, req, stream):
         new_tokens = 0
