@@ -474,6 +474,9 @@ LADE_VNNI512 void isweep_vnni512(const IJob& job, int64_t t0, int64_t t1, int64_
 }
 
 // Rows in groups of up to 8: each group reads the task's weights once (from cache after the first).
+// Groups of 5-7 rows run on two tiles at a time: on one tile a group of R rows has only R chains of
+// sums in flight and waits on VPDPBUSD's latency (whole steps of 5-7 tokens 4-9% faster on two tiles;
+// 3, 4, 8 and more rows measured no faster with other shapes: bench/results/kernel-floor.md).
 template <int BITS>
 LADE_VNNI512 void itiles_vnni512(const IJob& job, int64_t t0, int64_t t1) {
   for (int64_t row = 0; row < job.rows;) {
@@ -482,9 +485,9 @@ LADE_VNNI512 void itiles_vnni512(const IJob& job, int64_t t0, int64_t t1) {
       case 2: isweep_vnni512<BITS, 2, 4>(job, t0, t1, row); row += 2; break;
       case 3: isweep_vnni512<BITS, 3, 2>(job, t0, t1, row); row += 3; break;
       case 4: isweep_vnni512<BITS, 4, 2>(job, t0, t1, row); row += 4; break;
-      case 5: isweep_vnni512<BITS, 5, 1>(job, t0, t1, row); row += 5; break;
-      case 6: isweep_vnni512<BITS, 6, 1>(job, t0, t1, row); row += 6; break;
-      case 7: isweep_vnni512<BITS, 7, 1>(job, t0, t1, row); row += 7; break;
+      case 5: isweep_vnni512<BITS, 5, 2>(job, t0, t1, row); row += 5; break;
+      case 6: isweep_vnni512<BITS, 6, 2>(job, t0, t1, row); row += 6; break;
+      case 7: isweep_vnni512<BITS, 7, 2>(job, t0, t1, row); row += 7; break;
       default: isweep_vnni512<BITS, 8, 1>(job, t0, t1, row); row += 8; break;
     }
   }
