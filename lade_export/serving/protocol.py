@@ -241,7 +241,7 @@ class ServingSettings:
             batching=flag("batching", backend != "tensorrt"),
             token_budget=integer("token_budget", TOKEN_BUDGET),
             kv_tokens=integer("kv_tokens", 0),
-            width_policy=params.get("width_policy", WIDTH_POLICY),
+            width_policy=params.get("width_policy", WIDTH_POLICY).strip().lower(),
         )
 
 
