@@ -37,11 +37,13 @@ def lade_host(tmp_path_factory):
 
 # the options as given to lade_host, and the scheduler options the run must report
 RUNS = {"defaults": ([], {"max_batch": MAX_BATCH, "token_budget": TOKEN_BUDGET,
-                          "kv_tokens": MAX_BATCH * 512}),  # stories260K's context: 512 tokens
+                          "kv_tokens": MAX_BATCH * 512, "width_policy": "adaptive"}),  # stories260K: 512 tokens
         # a budget of 4 rows defers or isolates every lookahead step; 256 KV tokens hold three of the
         # four requests (prompt + 64 each), so one waits for a place
         "small-budget-and-pool": (["--token-budget", "4", "--kv-tokens=256"],
-                                  {"max_batch": 8, "token_budget": 4, "kv_tokens": 256}),
+                                  {"max_batch": 8, "token_budget": 4, "kv_tokens": 256, "width_policy": "adaptive"}),
+        # every lookahead step at its profile's width, whatever the load
+        "profile-width": (["--width-policy", "profile"], {"max_batch": MAX_BATCH, "width_policy": "profile"}),
         "no-batching": (["--no-batching"], None)}
 
 
@@ -94,7 +96,12 @@ def test_a_missing_artifact_is_a_one_line_error_in_cpp(lade_host, tmp_path):
     (["12x"], "MAX_NEW_TOKENS must be an integer from 1 to 2147483647, got '12x'"),
     (["--no-batching", "--token-budget", "8"], "--token-budget is an option of the scheduler, and --no-batching "
                                                "loads none"),
-    (["--max-batch", "2"], "unknown option --max-batch (options: --token-budget T, --kv-tokens K, --no-batching)"),
+    (["--max-batch", "2"], "unknown option --max-batch (options: --token-budget T, --kv-tokens K, --width-policy P, "
+                           "--no-batching)"),
+    (["--width-policy=wide"], "--width-policy must be adaptive or profile, got 'wide'"),
+    (["--width-policy"], "--width-policy needs a value"),
+    (["--no-batching", "--width-policy", "profile"], "--width-policy is an option of the scheduler, and --no-batching "
+                                                     "loads none"),
 ])
 def test_a_bad_command_line_is_a_one_line_error_in_cpp(lade_host, stories_artifact, args, message):
     proc = subprocess.run([str(lade_host), str(stories_artifact), *args], capture_output=True, text=True, timeout=120)

@@ -8,12 +8,14 @@
 // message. Results are printed one JSON object per line on stdout; the streamed text
 // and the scheduler's pass counters go to stderr.
 //
-// Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K] [--no-batching]
+// Usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K]
+//                  [--width-policy adaptive|profile] [--no-batching]
 //
 // MAX_NEW_TOKENS (default 64) is each request's cap. --token-budget (rows of a pass that
-// holds decode steps) and --kv-tokens (most tokens the KV pool holds over all requests)
-// are the scheduler's options of those names, as in lade-export serve and lade-export
-// triton (defaults: the scheduler's); --no-batching loads the model without a scheduler,
+// holds decode steps), --kv-tokens (most tokens the KV pool holds over all requests) and
+// --width-policy (how wide each request's lookahead step is under load: adaptive or
+// profile) are the scheduler's options of those names, as in lade-export serve and
+// lade-export triton (defaults: the scheduler's); --no-batching loads the model without a scheduler,
 // each request then running its own passes on the shared engine. A bad value is one line
 // on stderr (error: ...) and exit status 2.
 //
@@ -95,12 +97,13 @@ struct Request {
   bool lookahead = true;
 };
 
-// How the artifact is loaded: lade_export.load's batching, token_budget and kv_tokens
-// (an unset option: the scheduler's default).
+// How the artifact is loaded: lade_export.load's batching, token_budget, kv_tokens and
+// width_policy (an unset option: the scheduler's default).
 struct LoadOptions {
   bool batching = true;
   std::optional<int> token_budget;
   std::optional<int> kv_tokens;
+  std::optional<std::string> width_policy;
 };
 
 // One loaded artifact; thread-safe: any thread may call stream() at the same time.
@@ -113,6 +116,7 @@ class Model {
       kwargs["batching"] = options.batching;
       if (options.token_budget) kwargs["token_budget"] = *options.token_budget;
       if (options.kv_tokens) kwargs["kv_tokens"] = *options.kv_tokens;
+      if (options.width_policy) kwargs["width_policy"] = *options.width_policy;
       model_ = py::module_::import("lade_export").attr("load")(artifact_dir, **kwargs);
     } catch (py::error_already_set& err) {
       rethrow(err);
@@ -161,7 +165,7 @@ class Model {
 
   // The scheduler's counters as one JSON object: passes run, passes that carried more
   // than one request, the most requests one pass carried, and its options as applied
-  // (max_batch, token_budget, kv_tokens); {"scheduler": null} without one (--no-batching).
+  // (max_batch, token_budget, kv_tokens, width_policy); {"scheduler": null} without one (--no-batching).
   std::string scheduler_json() const {
     py::gil_scoped_acquire gil;
     py::object json = py::module_::import("json");
@@ -183,6 +187,9 @@ class Model {
     d["shared_passes"] = shared;
     d["most_requests_per_pass"] = most;
     for (const char* option : {"max_batch", "token_budget", "kv_tokens"}) d[option] = s.attr(option);
+    // the scheduler's policy object, named as the option names it
+    d["width_policy"] = py::getattr(s.attr("width_policy"), "adaptive", py::bool_(false)).cast<bool>() ? "adaptive"
+                                                                                                    : "profile";
     line["scheduler"] = d;
     return py::str(json.attr("dumps")(line));
   }
@@ -234,7 +241,8 @@ std::string json_line(int id, const lade::Request& req, const lade::Result& r, c
 }
 
 const char* const kUsage =
-    "usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K] [--no-batching]";
+    "usage: lade_host ARTIFACT_DIR [MAX_NEW_TOKENS] [--token-budget T] [--kv-tokens K] "
+    "[--width-policy adaptive|profile] [--no-batching]";
 
 // A bad command line: its message is the one line the host prints after "error: ".
 struct UsageError : std::runtime_error {
@@ -284,8 +292,17 @@ Arguments parse_arguments(int argc, char** argv) {
         value = argv[++i];
       }
       (name == "--token-budget" ? args.load.token_budget : args.load.kv_tokens) = parse_count(name, value);
+    } else if (name == "--width-policy") {
+      if (!inline_value) {
+        if (i + 1 == argc) throw UsageError(name + " needs a value");
+        value = argv[++i];
+      }
+      if (value != "adaptive" && value != "profile")
+        throw UsageError("--width-policy must be adaptive or profile, got '" + value + "'");
+      args.load.width_policy = value;
     } else {
-      throw UsageError("unknown option " + name + " (options: --token-budget T, --kv-tokens K, --no-batching)");
+      throw UsageError("unknown option " + name +
+                       " (options: --token-budget T, --kv-tokens K, --width-policy P, --no-batching)");
     }
   }
   if (positional.empty()) throw UsageError("give the artifact directory: " + std::string(kUsage));
@@ -296,6 +313,8 @@ Arguments parse_arguments(int argc, char** argv) {
     for (const auto& [flag, value] : {std::pair{"--token-budget", args.load.token_budget},
                                       std::pair{"--kv-tokens", args.load.kv_tokens}})
       if (value) throw UsageError(std::string(flag) + " is an option of the scheduler, and --no-batching loads none");
+    if (args.load.width_policy)
+      throw UsageError("--width-policy is an option of the scheduler, and --no-batching loads none");
   }
   return args;
 }
