@@ -49,12 +49,6 @@ def rss_mb(pid: int | str = "self") -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
@@ -77,7 +71,9 @@ def main() -> None:
         import openai  # before the server starts: a missing client leaves no server behind
 
         refused = (openai.APIError,)
-        port = free_port()
+        from lade_export.serving.local import free_ports
+
+        [port] = free_ports(1)
         log = open("serve-soak-server.log", "w")
         server = subprocess.Popen([sys.executable, "-m", "lade_export.cli", "serve", str(args.artifact), "--port",
                                    str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)

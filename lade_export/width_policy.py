@@ -117,15 +117,11 @@ from .ngram import StepLayout, step_template
 from .width_acceptance import Acceptance
 from .width_cost import PRIOR_COST, CostCurve, OnlineCostCurve
 
-__all__ = ["POLICY_NAMES", "PRIOR_ACCEPT", "PRIOR_COST", "WIDTHS", "Acceptance", "AdaptiveWidth", "CostCurve", "OnlineCostCurve",
-           "Option", "ProfileWidth", "candidate_depth", "make_policy", "narrowed", "width_caps"]
+__all__ = ["POLICY_NAMES", "PRIOR_ACCEPT", "PRIOR_COST", "WIDTHS", "Acceptance", "AdaptiveWidth", "CostCurve",
+           "OnlineCostCurve", "Option", "ProfileWidth", "candidate_depth", "make_policy", "narrowed", "width_caps"]
 
 #: Width classes, narrowest first.
 WIDTHS = ("one-token", "candidates", "half-window", "profile")
-
-#: The policies an option names (:func:`make_policy`): ``adaptive`` (:class:`AdaptiveWidth`)
-#: and ``profile`` (:class:`ProfileWidth`).
-POLICY_NAMES = ("adaptive", "profile")
 
 #: Calibration (:attr:`AdaptiveWidth.calibration`): weight of its prior ratio 1.0, in extra
 #: tokens; decay per widened step observed (memory ≈ 20 steps); decay per choice (a pass
@@ -215,6 +211,7 @@ class Option:
 class ProfileWidth:
     """Every request's step is its profile's (no narrowing; the token budget only defers)."""
 
+    name = "profile"  # the width_policy option that names it (make_policy)
     adaptive = False
 
     def observe_pass(self, rows: int, context: int, seconds: float) -> None:
@@ -246,6 +243,7 @@ class AdaptiveWidth:
         GenerationError: an option out of range.
     """
 
+    name = "adaptive"  # the width_policy option that names it (make_policy)
     adaptive = True
 
     def __init__(self, cost: CostCurve | None = None, *, margin: float = 0.05, memory: float = 0.9,
@@ -417,10 +415,13 @@ def make_policy(value):
     Raises:
         GenerationError: any other value.
     """
-    if value == "adaptive":
-        return AdaptiveWidth()
-    if value == "profile":
-        return ProfileWidth()
+    for policy in (AdaptiveWidth, ProfileWidth):
+        if value == policy.name:
+            return policy()
     if isinstance(value, (AdaptiveWidth, ProfileWidth)) or hasattr(value, "choose"):
         return value
-    raise GenerationError(f"width_policy must be 'adaptive' or 'profile', got {value!r}")
+    raise GenerationError(f"width_policy must be {' or '.join(map(repr, POLICY_NAMES))}, got {value!r}")
+
+
+#: The policies an option names (:func:`make_policy`), each its class's ``name``.
+POLICY_NAMES = (AdaptiveWidth.name, ProfileWidth.name)

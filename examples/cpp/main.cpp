@@ -187,9 +187,7 @@ class Model {
     d["shared_passes"] = shared;
     d["most_requests_per_pass"] = most;
     for (const char* option : {"max_batch", "token_budget", "kv_tokens"}) d[option] = s.attr(option);
-    // the scheduler's policy object, named as the option names it
-    d["width_policy"] = py::getattr(s.attr("width_policy"), "adaptive", py::bool_(false)).cast<bool>() ? "adaptive"
-                                                                                                    : "profile";
+    d["width_policy"] = s.attr("width_policy").attr("name");  // the option that names the scheduler's policy
     line["scheduler"] = d;
     return py::str(json.attr("dumps")(line));
   }

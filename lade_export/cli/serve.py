@@ -123,11 +123,10 @@ def serve(artifact_dir, host, port, profile_values, model_name, api_key_env, max
                                                   max_new_tokens_limit, max_body_bytes))
         where = sock.getsockname()
         sched = model.scheduler
-        policy = "adaptive" if getattr(sched.width_policy, "adaptive", False) else "profile"
         click.echo(f"serving {name!r} at http://{host}:{where[1]}/v1 (profiles: {', '.join(profiles)}; "
                    f"{max_concurrent} at once, {max_queue} waiting{'; API key required' if api_key else ''}; "
                    f"scheduler: token budget {sched.token_budget}, KV pool {sched.kv_tokens} tokens, "
-                   f"width policy {policy})", nl=True)
+                   f"width policy {sched.width_policy.name})", nl=True)
         sys.stdout.flush()
         code = run(server, sock, drain_s=drain_timeout)
     finally:

@@ -83,7 +83,7 @@ class TritonPythonModel:
                                        thread_name_prefix=f"lade-{self.instance}")
         if self.scheduler is not None:
             batching = (f"scheduler: max_batch {self.scheduler.max_batch}, token_budget {self.scheduler.token_budget}, "
-                        f"kv_tokens {self.scheduler.kv_tokens}, width_policy {self.settings.width_policy}")
+                        f"kv_tokens {self.scheduler.kv_tokens}, width_policy {self.scheduler.width_policy.name}")
         else:
             batching = f"no scheduler: up to {self.settings.max_concurrent_requests} requests on their own passes"
         pb_utils.Logger.log_info(f"{self.instance}: loaded {artifact} on {self.settings.backend}/{self.settings.device} "
@@ -149,7 +149,7 @@ class TritonPythonModel:
         shapes = dict(s.pass_shapes)  # (requests, rows) -> passes; a copy, the lead thread adds to it
         return {"passes": s.passes, "shared_passes": sum(n for (k, _), n in shapes.items() if k > 1),
                 "most_requests_per_pass": max((k for k, _ in shapes), default=0), "max_batch": s.max_batch,
-                "token_budget": s.token_budget, "kv_tokens": s.kv_tokens, "width_policy": self.settings.width_policy}
+                "token_budget": s.token_budget, "kv_tokens": s.kv_tokens, "width_policy": s.width_policy.name}
 
     def _decode(self, sender, rid, req, stream):
         new_tokens = 0
