@@ -570,6 +570,9 @@ class QuantizedGraph(_Section):
         matmul_row_work: ``{"rms_norm", "swiglu", "residual"}`` → nodes folded into ``MatMulBlockQ``
             (:func:`lade_export.export.row_fusion.fuse_row_work`; int8-compute builds since that
             fusion exists), None where nothing was folded.
+        argmax_rows: the tokens' ``ArgMax`` nodes computed by the lade kernels' ``ArgMaxRows``
+            (:func:`lade_export.export.quantized_ops.lade_argmax`; lade builds since that operator
+            exists: the same indices), None where the graph keeps ONNX Runtime's ``ArgMax``.
         extra: keys this version does not know, kept.
     """
 
@@ -582,6 +585,7 @@ class QuantizedGraph(_Section):
     kv_cache_dtype: str | None = None
     rotary_attention_rows: int | None = None
     matmul_row_work: Mapping | None = None
+    argmax_rows: int | None = None
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
 

@@ -294,6 +294,81 @@ def test_gather_block_q_returns_table_rows_and_names_bad_input(library):
         s.run(None, {"x": np.zeros((1, 64), np.float32)})
 
 
+# ArgMaxRows in a subprocess per forced path: its indices against numpy.argmax (ties, NaN, ±inf, ±0, the largest
+# value in the tail past the last full vector), a digest of them, and an empty row's error.
+_ARGMAX_CHECK = r"""
+import hashlib, json, sys
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+node = helper.make_node("ArgMaxRows", ["x"], ["y"], domain="lade_export")
+graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("lade_export", 1)])
+options = ort.SessionOptions()
+options.register_custom_ops_library(sys.argv[1])
+options.intra_op_num_threads = 2
+s = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+rng = np.random.default_rng(7)
+digest, cases, wrong = hashlib.sha256(), 0, []
+for shape in ((1, 1, 49152), (1, 16, 49157), (2, 3, 37), (5, 1), (7,), (1, 33, 100), (3, 16), (4, 9)):
+    x = np.round(rng.standard_normal(shape) * 2).astype(np.float32) / 2  # many equal maxima
+    for change in range(6):
+        y = x.copy()
+        if change == 1:
+            y[..., -1] = np.nan  # the first NaN wins
+        elif change == 2:
+            y[...] = -np.inf
+        elif change == 3 and shape[-1] > 3:
+            y[..., 1], y[..., 2] = np.inf, np.nan
+        elif change == 4:
+            y[...] = 0.0
+            y[..., ::3] = -0.0  # -0 == +0: the first of them
+        elif change == 5:
+            y[..., -1] = 99.0  # the largest value last (in the tail when the width is no multiple of 16)
+        got = s.run(None, {"x": y})[0]
+        digest.update(got.tobytes())
+        cases += 1
+        if got.dtype != np.int64 or not np.array_equal(got, np.argmax(y, axis=-1)):
+            wrong.append([list(shape), change])
+try:
+    s.run(None, {"x": np.zeros((2, 0), np.float32)})
+    error = None
+except Exception as e:
+    error = str(e).splitlines()[0]
+print(json.dumps({"cases": cases, "wrong": wrong, "digest": digest.hexdigest(), "error": error}))
+"""
+
+
+@pytest.mark.parametrize("path", ["portable", "avx2", "avx512vnni"])
+def test_argmax_rows_gives_numpy_argmax_on_every_path(library, path):
+    _skip_unless_runs(library, path)  # avx2 takes the 8-lane code, avx512vnni the 16-lane one
+    got = _forced(path, _ARGMAX_CHECK, library)
+    assert got["cases"] == 48 and got["wrong"] == []
+    assert got["digest"] == _forced("portable", _ARGMAX_CHECK, library)["digest"]
+    assert got["error"].endswith("ArgMaxRows: input [2, 0] has no values to choose from")
+
+
+def test_lade_argmax_swaps_only_an_argmax_over_the_last_axis():
+    from onnx import TensorProto, helper
+
+    from lade_export.export.quantized_ops import lade_argmax
+
+    nodes = [helper.make_node("ArgMax", ["x"], ["a"], axis=-1, keepdims=0),
+             helper.make_node("ArgMax", ["x"], ["b"], axis=2, keepdims=0),  # the last of rank 3: swapped
+             helper.make_node("ArgMax", ["x"], ["c"], axis=1, keepdims=0),
+             helper.make_node("ArgMax", ["x"], ["d"], axis=-1, keepdims=1),
+             helper.make_node("ArgMax", ["x"], ["e"], axis=-1, keepdims=0, select_last_index=1)]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in "abcde"]
+    unknown = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)], outputs)
+    assert lade_argmax(unknown) == 1  # axis 2 is the last one only where the rank is declared
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8])], outputs)
+    assert lade_argmax(graph) == 2
+    assert [(n.op_type, n.domain, list(n.output)) for n in graph.node] == [
+        ("ArgMaxRows", "lade_export", ["a"]), ("ArgMaxRows", "lade_export", ["b"]), ("ArgMax", "", ["c"]),
+        ("ArgMax", "", ["d"]), ("ArgMax", "", ["e"])]
+
+
 @pytest.fixture(scope="module")
 def stories_lade(tmp_path_factory, stories_dir, stories_loaded):
     from lade_export.export.build import build_artifact
@@ -336,6 +411,9 @@ def test_lade_build_ships_its_kernels_and_records_them(stories_lade):
     # the norms before q/k/v, gate/up and the head, and the residual after o_proj, inside MatMulBlockQ (the
     # float32 down projection keeps its SwiGLU and its residual Add)
     assert m["quantization"]["graph"]["matmul_row_work"] == {"rms_norm": 11, "swiglu": 0, "residual": 5}
+    # the tokens from the kernels' ArgMaxRows, not ONNX Runtime's ArgMax
+    assert m["quantization"]["graph"]["argmax_rows"] == 1
+    assert ops.count("ArgMaxRows") == 1 and "ArgMax" not in ops
     assert "ReduceMean" not in ops and ops.count("Add") == 5 and ops.count("Sigmoid") == 5
     assert "(sequence-major), float16, RoPE applied to keys" in m["graph"]["kv_layout"]
     cache_specs = [t for t in m["graph"]["inputs"] + m["graph"]["outputs"]

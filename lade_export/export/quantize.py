@@ -80,7 +80,7 @@ from ..errors import ProfileError
 from ..kernels import COMPUTE, KERNELS
 from .attention_rows import exact_attention, fuse_rotary_attention, half_precision_cache
 from .sanitize import drop_unused_initializers
-from .quantized_ops import block_q_embedding, nbits_embedding, quantized_matmul
+from .quantized_ops import block_q_embedding, lade_argmax, nbits_embedding, quantized_matmul
 from .row_fusion import fuse_row_work
 from .weight_blocks import LANE_BLOCK
 
@@ -209,7 +209,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
         "bytes_before": float32 weight bytes, "bytes_after": bytes of the quantized files}``, and for
         int8-compute lade graphs ``attention_rows`` (attentions swapped for ``AttentionRows``),
         ``kv_cache_dtype`` (``float16``) and ``rotary_attention_rows`` (layers fused into one
-        ``RotaryAttentionRows`` each).
+        ``RotaryAttentionRows`` each); for lade graphs ``argmax_rows`` (the tokens' ``ArgMax``
+        swapped for ``ArgMaxRows``).
 
     Raises:
         ValueError: the graph has no Gather on ``embed_name`` or hidden is not a multiple
@@ -276,6 +277,7 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
     half_cache = half_precision_cache(graph)  # 0 without in-place AttentionRows
     rotary = fuse_rotary_attention(graph) if half_cache else 0  # one RotaryAttentionRows per layer
     folded = fuse_row_work(graph) if attentions else {}  # norms, SwiGLU, residual adds into MatMulBlockQ
+    argmax = lade_argmax(graph) if spec.kernels == "lade" else 0  # the tokens' ArgMax → ArgMaxRows
     drop_unused_initializers(graph)
     domain = "lade_export" if spec.kernels == "lade" else "com.microsoft"
     if not any(o.domain == domain for o in model.opset_import):
@@ -289,7 +291,8 @@ def quantize_step_graph(src: str | Path, dst: str | Path, spec: QuantSpec, embed
             **({"attention_rows": attentions} if attentions else {}),
             **({"kv_cache_dtype": "float16"} if half_cache else {}),
             **({"rotary_attention_rows": rotary} if rotary else {}),
-            **({"matmul_row_work": folded} if any(folded.values()) else {})}
+            **({"matmul_row_work": folded} if any(folded.values()) else {}),
+            **({"argmax_rows": argmax} if argmax else {})}
 
 
 def teacher_forced_logits(engine, sequences: list[tuple[list[int], int]]) -> Iterator[np.ndarray]:

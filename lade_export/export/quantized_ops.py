@@ -5,7 +5,7 @@ is not an integer (:mod:`.weight_blocks`), or the lade kernels' ``MatMulBlockQ``
 (:mod:`lade_export.kernels`); the token embedding's ``Gather`` becomes
 ``GatherBlockQuantized`` or ``GatherBlockQ``, on the LM head's own packed weight when the
 two are tied. Each function adds its initializers to the graph and returns the nodes;
-inserting them is the caller's.
+inserting them is the caller's. :func:`lade_argmax` swaps the tokens' ``ArgMax`` in place.
 """
 
 from __future__ import annotations
@@ -133,3 +133,43 @@ def nbits_embedding(graph, embed: np.ndarray, head, gather, spec) -> tuple[list,
                                   name="embedding_gather_quantized", domain="com.microsoft", gather_axis=0,
                                   quantize_axis=1, block_size=spec.block_size, bits=spec.head_bits))
     return nodes, embedding
+
+
+def lade_argmax(graph) -> int:
+    """Swap every ``ArgMax`` over the last axis of a float tensor (``keepdims=0``,
+    ``select_last_index=0``: the step graph's ``next_token_ids`` from its logits) for the lade
+    kernels' ``ArgMaxRows``, in place.
+
+    The same indices (the first of equal maxima; a NaN counts as the largest, as
+    ``numpy.argmax``; comparisons only, so every CPU path agrees), in a few µs a row where
+    ONNX Runtime's ``ArgMax`` spent 60-80 µs on each 49,152-wide row of SmolLM2's logits: about
+    3% of a one-token step and 6-8% of an 8-token one with the int4 lade kernels
+    (bench/results/step-costs.md). An ``ArgMax`` on another axis, keeping its axis or taking
+    the last of equal maxima, stays.
+
+    Args:
+        graph: an ONNX ``GraphProto``; an ``axis`` of −1 is matched, a non-negative one where the
+            graph declares the input's rank (a graph input or output, or its ``value_info``).
+
+    Returns:
+        the number of nodes swapped.
+    """
+    from onnx import helper
+
+    from ..kernels import DOMAIN
+
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.output, *graph.value_info]
+             if v.type.tensor_type.HasField("shape")}
+    swapped = 0
+    for k, node in enumerate(graph.node):
+        if node.op_type != "ArgMax" or node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis, rank = attrs.get("axis", 0), ranks.get(node.input[0])
+        last = axis == -1 or (rank is not None and axis == rank - 1)
+        if not last or attrs.get("keepdims", 1) != 0 or attrs.get("select_last_index", 0) != 0:
+            continue
+        graph.node[k].CopyFrom(helper.make_node("ArgMaxRows", [node.input[0]], list(node.output),
+                                                name=node.name or "argmax_rows", domain=DOMAIN))
+        swapped += 1
+    return swapped

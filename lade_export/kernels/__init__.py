@@ -60,6 +60,11 @@ columns) transforms each row of X before the product, and input 4 ``R`` is added
 order per row (16 lane-partial sums of squares added as a tree for the norm; σ through the
 kernels' exp), the same bits on the AVX-512 and portable code.
 
+``ArgMaxRows(X float[..., V]) -> int64[...]`` gives each row's first index of its largest value
+(ONNX ``ArgMax`` over the last axis with ``keepdims=0``; a NaN counts as the largest, as
+``numpy.argmax``): comparisons only, so every path gives the same index. Every lade build's
+``next_token_ids`` come from it (:func:`lade_export.export.quantized_ops.lade_argmax`).
+
 ``MatMulBlockQ`` has two compute types (its attribute ``compute``; ``build --compute``):
 
 * ``int8`` (``compute=1``, the default of ``--kernels lade`` builds): each row's activations

@@ -14,6 +14,8 @@
 //   RotaryAttentionRows(QKV, cos, sin, PK, PV, masked) -> float, float16, float16   attributes scale, heads, kv_heads
 //       a layer's attention from its fused projection on: the rotary embedding, this step's keys and
 //       values as the float16 present outputs, then AttentionRowsHalfCache (one node for ~30).
+//   ArgMaxRows(X float[..., V]) -> int64[...]
+//       each row's first index of its largest value (ONNX ArgMax over the last axis, keepdims = 0).
 //
 // Weights come in blocks of 32 along K with bits ∈ {4, 8} per weight: w = D·code + M (GGML's
 // Q4_1; Q8_0 as code = q + 128, M = −128·D).
@@ -2295,6 +2297,132 @@ int64_t attribute_past_layout(const OrtKernelInfo* info) {  // absent (graphs be
   return value;
 }
 
+// ArgMaxRows(X float[..., V]) -> int64[...]: for every row of X (its last axis) the index of its largest
+// value, the first of several equal ones (ONNX ArgMax with axis = −1, keepdims = 0, select_last_index = 0;
+// −0 and +0 are equal); a NaN counts as larger than every number, so a row holding one gives its first NaN
+// (numpy.argmax). Comparisons only, no arithmetic: every path (AVX-512, AVX2, scalar) gives the same index,
+// and a row's index depends on that row alone. The step graph's tokens (next_token_ids) from its logits:
+// ONNX Runtime's ArgMax spent ~60-80 µs on each of SmolLM2's 49,152-wide rows, this a few µs.
+constexpr int64_t kArgMaxRows = 4;  // rows per parallel task
+
+int64_t argmax_row_scalar(const float* x, int64_t v) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < v; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+#ifdef LADE_X86
+// The same index in one sweep: each lane keeps its largest value and where it first saw it (a strict
+// comparison keeps the earlier of equal ones), then the smallest position among the lanes holding the
+// row's largest value; the tail past the last full vector is scalar (its positions are later). A NaN
+// anywhere hands the row to the scalar code, which stops at the first one.
+__attribute__((target("avx512f"))) int64_t argmax_row_avx512(const float* x, int64_t v) {
+  if (v < 16) return argmax_row_scalar(x, v);
+  __m512 best = _mm512_loadu_ps(x);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), pos = at;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  int64_t i = 16;
+  for (; i + 16 <= v; i += 16) {
+    const __m512 a = _mm512_loadu_ps(x + i);
+    pos = _mm512_add_epi32(pos, step);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(a, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, a);
+    at = _mm512_mask_mov_epi32(at, gt, pos);
+  }
+  if (nan) return argmax_row_scalar(x, v);
+  float top = _mm512_reduce_max_ps(best);
+  const __mmask16 holds = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  int64_t index = _mm512_mask_reduce_min_epi32(holds, at);
+  for (; i < v; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top) { top = x[i]; index = i; }
+  }
+  return index;
+}
+
+__attribute__((target("avx2"))) int64_t argmax_row_avx2(const float* x, int64_t v) {
+  if (v < 8) return argmax_row_scalar(x, v);
+  __m256 best = _mm256_loadu_ps(x);
+  __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), pos = at;
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  int64_t i = 8;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    pos = _mm256_add_epi32(pos, step);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    const __m256 gt = _mm256_cmp_ps(a, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, a, gt);
+    at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(pos), gt));
+  }
+  if (_mm256_movemask_ps(nan)) return argmax_row_scalar(x, v);
+  alignas(32) float value[8];
+  alignas(32) int32_t where[8];
+  _mm256_store_ps(value, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(where), at);
+  float top = value[0];
+  int64_t index = where[0];
+  for (int k = 1; k < 8; ++k)
+    if (value[k] > top || (value[k] == top && where[k] < index)) { top = value[k]; index = where[k]; }
+  for (; i < v; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top) { top = x[i]; index = i; }
+  }
+  return index;
+}
+#endif
+
+struct ArgMaxJob {
+  const float* x;
+  int64_t rows, v;
+  int64_t* out;
+};
+
+void argmax_rows(const ArgMaxJob& job, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = job.x + r * job.v;
+#ifdef LADE_X86
+    if (dispatch().float_avx512) { job.out[r] = argmax_row_avx512(x, job.v); continue; }
+    if (dispatch().float_avx2) { job.out[r] = argmax_row_avx2(x, job.v); continue; }
+#endif
+    job.out[r] = argmax_row_scalar(x, job.v);
+  }
+}
+
+void run_argmax(void* data, size_t task) {
+  const ArgMaxJob& job = *static_cast<const ArgMaxJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * kArgMaxRows;
+  argmax_rows(job, r0, std::min(job.rows, r0 + kArgMaxRows));
+}
+
+struct ArgMaxKernel {
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      Ort::KernelContext ctx(raw);
+      auto x = ctx.GetInput(0);
+      std::vector<int64_t> shape = shape_of(x);
+      if (shape.empty() || shape.back() < 1) throw Error("input " + dims(shape) + " has no values to choose from");
+      const int64_t v = shape.back();
+      if (v > INT32_MAX) throw Error("rows of " + std::to_string(v) + " values are more than int32 positions");
+      shape.pop_back();
+      int64_t rows = 1;
+      for (int64_t n : shape) rows *= n;
+      auto out = ctx.GetOutput(0, shape);
+      ArgMaxJob job{x.GetTensorData<float>(), rows, v, out.GetTensorMutableData<int64_t>()};
+      if (rows <= kArgMaxRows) argmax_rows(job, 0, rows);
+      else ctx.ParallelFor(run_argmax, static_cast<size_t>((rows + kArgMaxRows - 1) / kArgMaxRows), 0, &job);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string("ArgMaxRows: ") + e.what()).c_str());
+    }
+  }
+};
+
 template <typename TOp, typename TKernel>
 struct Op : Ort::CustomOpBase<TOp, TKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
@@ -2401,6 +2529,15 @@ struct RotaryAttentionOp : Op<RotaryAttentionOp, RotaryAttentionKernel> {
   }
 };
 
+// ArgMaxRows (above): float32 in, int64 out.
+struct ArgMaxOp : Op<ArgMaxOp, ArgMaxKernel> {
+  static constexpr const char* kName = "ArgMaxRows";
+  static constexpr size_t kInputs = 1;
+  static ArgMaxKernel* make(const OrtKernelInfo*) { return new ArgMaxKernel{}; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
@@ -2414,11 +2551,12 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   static AttentionOp attention;
   static AttentionHalfCacheOp attention_half_cache;
   static RotaryAttentionOp rotary_attention;
+  static ArgMaxOp argmax;
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* s = api->CreateCustomOpDomain("lade_export", &domain)) return s;
   for (OrtCustomOp* op : {static_cast<OrtCustomOp*>(&matmul), static_cast<OrtCustomOp*>(&gather),
                           static_cast<OrtCustomOp*>(&attention), static_cast<OrtCustomOp*>(&attention_half_cache),
-                          static_cast<OrtCustomOp*>(&rotary_attention)})
+                          static_cast<OrtCustomOp*>(&rotary_attention), static_cast<OrtCustomOp*>(&argmax)})
     if (OrtStatus* s = api->CustomOpDomain_Add(domain, op)) return s;
   return api->AddCustomOpDomain(options, domain);
 }
