@@ -283,8 +283,8 @@ class Tokenizer:
         so the detokenizer holds a run back until it ends. Empty for byte-level BPE."""
         import re
 
-        fallback = getattr(self._tok.model, "byte_fallback", None)  # BPE and Unigram models say it
-        if fallback is None:  # another model type: read it from the serialized tokenizer (~60 ms for 49k tokens)
+        fallback = getattr(self._tok.model, "byte_fallback", None)  # a BPE model says it
+        if fallback is None:  # other model types: read it from the serialized tokenizer (~60 ms for 49k tokens)
             fallback = json.loads(self._tok.to_str()).get("model", {}).get("byte_fallback")
         if not fallback:
             return frozenset()

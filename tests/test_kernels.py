@@ -367,6 +367,10 @@ def test_lade_argmax_swaps_only_an_argmax_over_the_last_axis():
     assert [(n.op_type, n.domain, list(n.output)) for n in graph.node] == [
         ("ArgMaxRows", "lade_export", ["a"]), ("ArgMaxRows", "lade_export", ["b"]), ("ArgMax", "", ["c"]),
         ("ArgMax", "", ["d"]), ("ArgMax", "", ["e"])]
+    assert [n.name for n in graph.node[:2]] == ["argmax_rows_0", "argmax_rows_1"]  # unnamed: a name each
+    half = helper.make_graph([helper.make_node("ArgMax", ["h"], ["a"], axis=-1, keepdims=0)], "g",
+                             [helper.make_tensor_value_info("h", TensorProto.FLOAT16, [1, 8])], outputs[:1])
+    assert lade_argmax(half) == 0 and half.node[0].op_type == "ArgMax"  # ArgMaxRows takes float32 only
 
 
 @pytest.fixture(scope="module")

@@ -136,20 +136,21 @@ def nbits_embedding(graph, embed: np.ndarray, head, gather, spec) -> tuple[list,
 
 
 def lade_argmax(graph) -> int:
-    """Swap every ``ArgMax`` over the last axis of a float tensor (``keepdims=0``,
+    """Swap every ``ArgMax`` over the last axis of a float32 tensor (``keepdims=0``,
     ``select_last_index=0``: the step graph's ``next_token_ids`` from its logits) for the lade
     kernels' ``ArgMaxRows``, in place.
 
     The same indices (the first of equal maxima; a NaN counts as the largest, as
-    ``numpy.argmax``; comparisons only, so every CPU path agrees), in a few µs a row where
+    ``numpy.argmax``; comparisons only, so every CPU path agrees), in ~15 µs a row where
     ONNX Runtime's ``ArgMax`` spent 60-80 µs on each 49,152-wide row of SmolLM2's logits: about
     3% of a one-token step and 6-8% of an 8-token one with the int4 lade kernels
     (bench/results/step-costs.md). An ``ArgMax`` on another axis, keeping its axis or taking
     the last of equal maxima, stays.
 
     Args:
-        graph: an ONNX ``GraphProto``; an ``axis`` of −1 is matched, a non-negative one where the
-            graph declares the input's rank (a graph input or output, or its ``value_info``).
+        graph: an ONNX ``GraphProto``. Only an input the graph declares float32 (a graph input
+            or output, or its ``value_info``) is swapped; an ``axis`` of −1 is matched, a
+            non-negative one where the declared type gives the rank.
 
     Returns:
         the number of nodes swapped.
@@ -158,8 +159,12 @@ def lade_argmax(graph) -> int:
 
     from ..kernels import DOMAIN
 
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.output, *graph.value_info]
-             if v.type.tensor_type.HasField("shape")}
+    from onnx import TensorProto
+
+    declared = [*graph.input, *graph.output, *graph.value_info]
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in declared if v.type.tensor_type.HasField("shape")}
+    floats = {v.name for v in declared if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    names = {n.name for n in graph.node}
     swapped = 0
     for k, node in enumerate(graph.node):
         if node.op_type != "ArgMax" or node.domain not in ("", "ai.onnx"):
@@ -167,9 +172,14 @@ def lade_argmax(graph) -> int:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         axis, rank = attrs.get("axis", 0), ranks.get(node.input[0])
         last = axis == -1 or (rank is not None and axis == rank - 1)
-        if not last or attrs.get("keepdims", 1) != 0 or attrs.get("select_last_index", 0) != 0:
+        if (not last or node.input[0] not in floats or attrs.get("keepdims", 1) != 0
+                or attrs.get("select_last_index", 0) != 0):
             continue
-        graph.node[k].CopyFrom(helper.make_node("ArgMaxRows", [node.input[0]], list(node.output),
-                                                name=node.name or "argmax_rows", domain=DOMAIN))
+        name = node.name
+        if not name:  # a name of its own: ONNX Runtime refuses two nodes of one name
+            name = next(f"argmax_rows_{i}" for i in range(len(names) + 1) if f"argmax_rows_{i}" not in names)
+            names.add(name)
+        graph.node[k].CopyFrom(helper.make_node("ArgMaxRows", [node.input[0]], list(node.output), name=name,
+                                                domain=DOMAIN))
         swapped += 1
     return swapped
