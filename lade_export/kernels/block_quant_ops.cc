@@ -2305,9 +2305,10 @@ int64_t attribute_past_layout(const OrtKernelInfo* info) {  // absent (graphs be
 // ONNX Runtime's ArgMax spent ~60-80 µs on each of SmolLM2's 49,152-wide rows, the AVX-512 code here ~15.
 constexpr int64_t kArgMaxRows = 4;  // rows per parallel task
 
-int64_t argmax_row_scalar(const float* x, int64_t v) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < v; ++i) {
+// From position `from` on, with `best` the first position of the largest value before it (the vector
+// paths' tail; the whole row from 0).
+int64_t argmax_row_scalar(const float* x, int64_t v, int64_t from = 0, int64_t best = 0) {
+  for (int64_t i = from; i < v; ++i) {
     if (std::isnan(x[i])) return i;
     if (x[i] > x[best]) best = i;
   }
@@ -2335,14 +2336,9 @@ __attribute__((target("avx512f"))) int64_t argmax_row_avx512(const float* x, int
     at = _mm512_mask_mov_epi32(at, gt, pos);
   }
   if (nan) return argmax_row_scalar(x, v);
-  float top = _mm512_reduce_max_ps(best);
+  const float top = _mm512_reduce_max_ps(best);
   const __mmask16 holds = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  int64_t index = _mm512_mask_reduce_min_epi32(holds, at);
-  for (; i < v; ++i) {
-    if (std::isnan(x[i])) return i;
-    if (x[i] > top) { top = x[i]; index = i; }
-  }
-  return index;
+  return argmax_row_scalar(x, v, i, _mm512_mask_reduce_min_epi32(holds, at));
 }
 
 __attribute__((target("avx2"))) int64_t argmax_row_avx2(const float* x, int64_t v) {
@@ -2369,11 +2365,7 @@ __attribute__((target("avx2"))) int64_t argmax_row_avx2(const float* x, int64_t 
   int64_t index = where[0];
   for (int k = 1; k < 8; ++k)
     if (value[k] > top || (value[k] == top && where[k] < index)) { top = value[k]; index = where[k]; }
-  for (; i < v; ++i) {
-    if (std::isnan(x[i])) return i;
-    if (x[i] > top) { top = x[i]; index = i; }
-  }
-  return index;
+  return argmax_row_scalar(x, v, i, index);
 }
 #endif
 
