@@ -155,11 +155,9 @@ def lade_argmax(graph) -> int:
     Returns:
         the number of nodes swapped.
     """
-    from onnx import helper
+    from onnx import TensorProto, helper
 
     from ..kernels import DOMAIN
-
-    from onnx import TensorProto
 
     declared = [*graph.input, *graph.output, *graph.value_info]
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in declared if v.type.tensor_type.HasField("shape")}
