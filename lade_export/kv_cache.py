@@ -30,6 +30,7 @@ counts as such a write).
 from __future__ import annotations
 
 import collections
+import mmap
 import weakref
 
 import numpy as np
@@ -45,6 +46,27 @@ WRITE_LOG = 8
 
 #: id(first key buffer) -> the cache that owns it (see :func:`owner_of`).
 _OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictionary()
+
+
+#: numpy asks Linux for transparent huge pages on every array of this many bytes or more
+#: (``madvise(MADV_HUGEPAGE)``, numpy's ``hugepage`` allocator policy).
+_HUGEPAGE_ADVICE_BYTES = 1 << 22
+
+
+def zeros(shape: tuple, dtype) -> np.ndarray:
+    """A zeroed buffer for a cache: ``np.zeros``, except that one of 4 MiB or more lies in an
+    anonymous memory mapping of its own (the OS zeroes its pages on first touch, and numpy's
+    huge-page advice is not given). Where the kernel's THP defragmentation runs synchronously
+    (``defrag`` = ``madvise``, a common default) and memory is fragmented, the first touch of
+    each 2 MiB of an advised buffer stalls on compaction: a scheduler's pool growing by 47 MB
+    while requests ran stalled every stream ~10× longer than the copy itself
+    (``bench/results/serving.md``). The array owns the mapping (its ``base``), so views of it
+    and :func:`owner_of` behave as with ``np.zeros``; the mapping is unmapped with the array."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _HUGEPAGE_ADVICE_BYTES:
+        return np.zeros(shape, dtype)
+    return np.ndarray(shape, dtype=dtype, buffer=mmap.mmap(-1, nbytes))
 
 
 def owner_of(feed) -> KVCache | None:
@@ -117,12 +139,12 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         self.stacked = stacked
         if stacked:
-            self._block = np.zeros((2 * dims.num_layers, *shape), self.dtype)
+            self._block = zeros((2 * dims.num_layers, *shape), self.dtype)
             self.keys = list(self._block[:dims.num_layers])
             self.values = list(self._block[dims.num_layers:])
         else:
-            self.keys = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
-            self.values = [np.zeros(shape, self.dtype) for _ in range(dims.num_layers)]
+            self.keys = [zeros(shape, self.dtype) for _ in range(dims.num_layers)]
+            self.values = [zeros(shape, self.dtype) for _ in range(dims.num_layers)]
         self._present = [present_key_name(i) for i in range(dims.num_layers)] + \
             [present_value_name(i) for i in range(dims.num_layers)]
         self._shared_feeds = None  # feeds() of a head-major-shared cache, built once

@@ -1,10 +1,12 @@
 """The host KV cache's append: the kept rows of a step land at the end of the filled prefix,
 whatever runs they form (one run is copied as a slice, scattered rows run by run)."""
 
+import mmap
+
 import numpy as np
 import pytest
 
-from lade_export.kv_cache import KVCache, _runs
+from lade_export.kv_cache import KVCache, _runs, owner_of
 from lade_export.specs import ModelDims, present_key_name, present_value_name
 
 DIMS = ModelDims(num_layers=3, heads=4, kv_heads=2, head_dim=4, hidden=16, vocab=32, max_context=64,
@@ -77,3 +79,28 @@ def test_store_rows_writes_every_layer_alike_stacked_or_not(src, dst, dtype):
 def test_stacked_cache_needs_the_sequence_major_layout():
     with pytest.raises(ValueError, match="stacked KV cache needs the sequence-major layout"):
         KVCache(DIMS, capacity=8, layout="head-major-shared", stacked=True)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_buffers_of_4_mib_and_more_live_in_their_own_mapping_and_behave_as_numpy_zeros(stacked):
+    """Large buffers come from an anonymous mapping (no huge-page advice, see kv_cache.zeros): zero,
+    writable, contiguous, owned by the array, so feeds are views and owner_of finds the cache;
+    appends land where they do in a small cache."""
+    wide = ModelDims(num_layers=2, heads=4, kv_heads=2, head_dim=64, hidden=256, vocab=32, max_context=1 << 14,
+                     tied_embeddings=False)
+    capacity = 8192  # 8192 tokens × 2 heads × 64 × 4 bytes = 4 MiB per layer buffer
+    big, small = (KVCache(wide, capacity=c, stacked=stacked) for c in (capacity, 64))
+    buffer = big._block if stacked else big.keys[0]
+    assert isinstance(buffer.base, mmap.mmap) and buffer.nbytes >= 1 << 22
+    assert not isinstance(small.keys[0].base, mmap.mmap)
+    assert buffer.flags.writeable and buffer.flags.c_contiguous and not buffer.any()
+    rng = np.random.default_rng(2)
+    shape = (1, 5, wide.kv_heads, wide.head_dim)
+    step = {present_key_name(i): rng.standard_normal(shape).astype(np.float32) for i in range(2)}
+    step.update({present_value_name(i): rng.standard_normal(shape).astype(np.float32) for i in range(2)})
+    for cache in (big, small):
+        cache.append(step)
+    for name, feed in big.feeds().items():
+        assert np.array_equal(feed, small.feeds()[name]) and feed.shape == (1, 5, 2, 64)
+    if not stacked:
+        assert owner_of(big.feeds()["past_key_values.0.key"]) is big
