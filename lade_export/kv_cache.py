@@ -54,19 +54,20 @@ _HUGEPAGE_ADVICE_BYTES = 1 << 22
 
 
 def zeros(shape: tuple, dtype) -> np.ndarray:
-    """A zeroed buffer for a cache: ``np.zeros``, except that one of 4 MiB or more lies in an
-    anonymous memory mapping of its own (the OS zeroes its pages on first touch, and numpy's
-    huge-page advice is not given). Where the kernel's THP defragmentation runs synchronously
-    (``defrag`` = ``madvise``, a common default) and memory is fragmented, the first touch of
-    each 2 MiB of an advised buffer stalls on compaction: a scheduler's pool growing by 47 MB
-    while requests ran stalled every stream ~10× longer than the copy itself
-    (``bench/results/serving.md``). The array owns the mapping (its ``base``), so views of it
-    and :func:`owner_of` behave as with ``np.zeros``; the mapping is unmapped with the array."""
+    """A zeroed buffer for a cache: ``np.zeros``, except that on POSIX systems one of 4 MiB or
+    more lies in a private anonymous memory mapping of its own (the OS zeroes its pages on first
+    touch; numpy's huge-page advice is not given). Where the kernel's THP defragmentation runs
+    synchronously (``defrag`` = ``madvise``, a common default) and memory is fragmented, the
+    first touch of each 2 MiB of an advised buffer stalls on compaction: a scheduler's pool
+    growing while requests ran stalled every stream (``bench/results/serving.md``). The array
+    owns the mapping (its ``base``), so views and :func:`owner_of` behave as with ``np.zeros``;
+    the mapping is unmapped with the array, and a forked process gets a copy-on-write copy."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < _HUGEPAGE_ADVICE_BYTES:
+    if nbytes < _HUGEPAGE_ADVICE_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
         return np.zeros(shape, dtype)
-    return np.ndarray(shape, dtype=dtype, buffer=mmap.mmap(-1, nbytes))
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.ndarray(shape, dtype=dtype, buffer=mapping)
 
 
 def owner_of(feed) -> KVCache | None:
