@@ -66,7 +66,7 @@ def zeros(shape: tuple, dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < _HUGEPAGE_ADVICE_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
         return np.zeros(shape, dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))  # fd −1: anonymous
     return np.ndarray(shape, dtype=dtype, buffer=mapping)
 
 
