@@ -59,9 +59,13 @@ def zeros(shape: tuple, dtype) -> np.ndarray:
     touch; numpy's huge-page advice is not given). Where the kernel's THP defragmentation runs
     synchronously (``defrag`` = ``madvise``, a common default) and memory is fragmented, the
     first touch of each 2 MiB of an advised buffer stalls on compaction: a scheduler's pool
-    growing while requests ran stalled every stream (``bench/results/serving.md``). The array
-    owns the mapping (its ``base``), so views and :func:`owner_of` behave as with ``np.zeros``;
-    the mapping is unmapped with the array, and a forked process gets a copy-on-write copy."""
+    growing while requests ran stalled every stream (``bench/results/serving.md``).
+
+    Such an array does not own its data (``flags.owndata`` is False, ``resize`` refuses): its
+    ``base`` is the ``mmap.mmap``, kept alive by the array and its views and unmapped after them
+    (closing it by hand while they live would leave them pointing at unmapped memory; nothing
+    here does). Views of the array have the array as their base, as with ``np.zeros``. A forked
+    process gets a copy-on-write copy."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < _HUGEPAGE_ADVICE_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
@@ -73,7 +77,7 @@ def zeros(shape: tuple, dtype) -> np.ndarray:
 def owner_of(feed) -> KVCache | None:
     """The :class:`KVCache` whose layer-0 key buffer ``feed`` is or is a view of (a
     ``past_key_values.0.key`` feed from :meth:`KVCache.feeds`), else None."""
-    base = feed if getattr(feed, "base", None) is None else feed.base
+    base = feed.base if isinstance(getattr(feed, "base", None), np.ndarray) else feed
     cache = _OWNERS.get(id(base))
     return cache if cache is not None and cache.keys[0] is base else None
 

@@ -81,6 +81,7 @@ def test_stacked_cache_needs_the_sequence_major_layout():
         KVCache(DIMS, capacity=8, layout="head-major-shared", stacked=True)
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MAP_PRIVATE"), reason="no private mappings here: kv_cache.zeros is np.zeros")
 @pytest.mark.parametrize("stacked", [False, True])
 def test_buffers_of_4_mib_and_more_live_in_their_own_mapping_and_behave_as_numpy_zeros(stacked):
     """Large buffers come from an anonymous mapping (no huge-page advice, see kv_cache.zeros): zero,
@@ -104,3 +105,17 @@ def test_buffers_of_4_mib_and_more_live_in_their_own_mapping_and_behave_as_numpy
         assert np.array_equal(feed, small.feeds()[name]) and feed.shape == (1, 5, 2, 64)
     if not stacked:
         assert owner_of(big.feeds()["past_key_values.0.key"]) is big
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_PRIVATE"), reason="no private mappings here: kv_cache.zeros is np.zeros")
+def test_owner_of_finds_a_mapped_cache_from_its_buffer_or_a_view_in_either_layout():
+    """owner_of takes a whole buffer (head-major-shared feeds) or a view of one (sequence-major):
+    the mapping under a large buffer is not mistaken for the buffer."""
+    wide = ModelDims(num_layers=1, heads=4, kv_heads=2, head_dim=64, hidden=256, vocab=32, max_context=1 << 14,
+                     tied_embeddings=False)
+    for layout in ("sequence-major", "head-major-shared"):
+        cache = KVCache(wide, capacity=8192, layout=layout, step_room=8)
+        assert isinstance(cache.keys[0].base, mmap.mmap)
+        assert owner_of(cache.keys[0]) is cache
+        assert owner_of(cache.keys[0][:, :3]) is cache
+        assert owner_of(cache.values[0]) is None
