@@ -11,6 +11,9 @@ from lade_export.specs import ModelDims, present_key_name, present_value_name
 
 DIMS = ModelDims(num_layers=3, heads=4, kv_heads=2, head_dim=4, hidden=16, vocab=32, max_context=64,
                  tied_embeddings=False)
+# heads wide enough that 8,192 tokens make a 4 MiB buffer (kv_cache.zeros maps it)
+WIDE = ModelDims(num_layers=2, heads=4, kv_heads=2, head_dim=64, hidden=256, vocab=32, max_context=1 << 14,
+                 tied_embeddings=False)
 
 
 def step_outputs(rng, step, dtype):
@@ -84,19 +87,17 @@ def test_stacked_cache_needs_the_sequence_major_layout():
 @pytest.mark.skipif(not hasattr(mmap, "MAP_PRIVATE"), reason="no private mappings here: kv_cache.zeros is np.zeros")
 @pytest.mark.parametrize("stacked", [False, True])
 def test_buffers_of_4_mib_and_more_live_in_their_own_mapping_and_behave_as_numpy_zeros(stacked):
-    """Large buffers come from an anonymous mapping (no huge-page advice, see kv_cache.zeros): zero,
-    writable, contiguous, owned by the array, so feeds are views and owner_of finds the cache;
+    """Large buffers come from an anonymous mapping (no huge-page advice, see kv_cache.zeros), the
+    array's base: zero, writable, contiguous; feeds are views and owner_of finds the cache;
     appends land where they do in a small cache."""
-    wide = ModelDims(num_layers=2, heads=4, kv_heads=2, head_dim=64, hidden=256, vocab=32, max_context=1 << 14,
-                     tied_embeddings=False)
     capacity = 8192  # 8192 tokens × 2 heads × 64 × 4 bytes = 4 MiB per layer buffer
-    big, small = (KVCache(wide, capacity=c, stacked=stacked) for c in (capacity, 64))
+    big, small = (KVCache(WIDE, capacity=c, stacked=stacked) for c in (capacity, 64))
     buffer = big._block if stacked else big.keys[0]
     assert isinstance(buffer.base, mmap.mmap) and buffer.nbytes >= 1 << 22
     assert not isinstance(small.keys[0].base, mmap.mmap)
     assert buffer.flags.writeable and buffer.flags.c_contiguous and not buffer.any()
     rng = np.random.default_rng(2)
-    shape = (1, 5, wide.kv_heads, wide.head_dim)
+    shape = (1, 5, WIDE.kv_heads, WIDE.head_dim)
     step = {present_key_name(i): rng.standard_normal(shape).astype(np.float32) for i in range(2)}
     step.update({present_value_name(i): rng.standard_normal(shape).astype(np.float32) for i in range(2)})
     for cache in (big, small):
@@ -111,10 +112,8 @@ def test_buffers_of_4_mib_and_more_live_in_their_own_mapping_and_behave_as_numpy
 def test_owner_of_finds_a_mapped_cache_from_its_buffer_or_a_view_in_either_layout():
     """owner_of takes a whole buffer (head-major-shared feeds) or a view of one (sequence-major):
     the mapping under a large buffer is not mistaken for the buffer."""
-    wide = ModelDims(num_layers=1, heads=4, kv_heads=2, head_dim=64, hidden=256, vocab=32, max_context=1 << 14,
-                     tied_embeddings=False)
     for layout in ("sequence-major", "head-major-shared"):
-        cache = KVCache(wide, capacity=8192, layout=layout, step_room=8)
+        cache = KVCache(WIDE, capacity=8192, layout=layout, step_room=8)
         assert isinstance(cache.keys[0].base, mmap.mmap)
         assert owner_of(cache.keys[0]) is cache
         assert owner_of(cache.keys[0][:, :3]) is cache
