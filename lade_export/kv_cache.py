@@ -56,10 +56,14 @@ _HUGEPAGE_ADVICE_BYTES = 1 << 22
 def zeros(shape: tuple, dtype) -> np.ndarray:
     """A zeroed buffer for a cache: ``np.zeros``, except that on POSIX systems one of 4 MiB or
     more lies in a private anonymous memory mapping of its own (the OS zeroes its pages on first
-    touch; numpy's huge-page advice is not given). Where the kernel's THP defragmentation runs
-    synchronously (``defrag`` = ``madvise``, a common default) and memory is fragmented, the
-    first touch of each 2 MiB of an advised buffer stalls on compaction: a scheduler's pool
-    growing while requests ran stalled every stream (``bench/results/serving.md``).
+    touch; numpy's huge-page advice is not given). On virtual machines whose balloon device
+    reports free memory to the host (virtio-balloon free page reporting, as on Firecracker
+    hosts), free blocks of 2 MiB and more are handed back to the host, so the first touch of a
+    transparent huge page, which takes such a block, waits for the host to back it again: ~9 ms
+    per 2 MiB on the machine of ``bench/results``, ~10× a plain page's first touch, while a huge
+    page freed and reused within a process is fast (no compaction: ``compact_stall`` stayed 0).
+    A scheduler's pool growing while requests ran stalled every stream for that long
+    (``bench/results/serving.md``).
 
     Such an array does not own its data (``flags.owndata`` is False, ``resize`` refuses): its
     ``base`` is the ``mmap.mmap``, kept alive by the array and its views and unmapped after them
