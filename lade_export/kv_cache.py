@@ -160,6 +160,7 @@ class KVCache:
         # (past key name, past value name, present key name, present value name) per layer
         self._names = [(past_key_name(i), past_value_name(i), present_key_name(i), present_value_name(i))
                        for i in range(dims.num_layers)]
+        self._past = [k for k, _, _, _ in self._names] + [v for _, v, _, _ in self._names]  # block order
         _OWNERS[id(self.keys[0])] = self
 
     @property
@@ -215,6 +216,8 @@ class KVCache:
                                   for name, buffer in ((k, key), (v, value))}
             return self._shared_feeds
         n = self.length
+        if self.stacked:  # every buffer's view from one slice of the block: [2·layers, 1, n, kv_heads, head_dim]
+            return dict(zip(self._past, self._block[:, :, :n]))
         out = {}
         for (k, v, _, _), key, value in zip(self._names, self.keys, self.values):
             out[k] = key[:, :n]

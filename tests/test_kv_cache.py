@@ -75,8 +75,14 @@ def test_store_rows_writes_every_layer_alike_stacked_or_not(src, dst, dtype):
             expect[0, dst] = step[name][0, src]
             assert np.array_equal(buffers(plain)[i], expect)
             assert np.array_equal(buffers(stacked)[i], expect)
-    assert stacked.feeds()["past_key_values.1.value"].flags.c_contiguous
     assert stacked.length == 0 and stacked.revision == 0  # a raw write: the caller records it
+    for cache in caches:
+        cache.length = 31
+    plain_feeds, stacked_feeds = plain.feeds(), stacked.feeds()  # the stacked views come from one slice
+    assert sorted(stacked_feeds) == sorted(plain_feeds) and len(plain_feeds) == 2 * DIMS.num_layers
+    for name, feed in stacked_feeds.items():
+        assert feed.shape == (1, 31, DIMS.kv_heads, DIMS.head_dim) and feed.flags.c_contiguous
+        assert np.array_equal(feed, plain_feeds[name])
 
 
 def test_stacked_cache_needs_the_sequence_major_layout():
