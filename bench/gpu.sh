@@ -14,7 +14,7 @@ Runs the GPU benchmark on a machine with an NVIDIA GPU that cannot download anyt
 it starts from a copy of this repository plus files prepared here. In under 8 minutes
 on one GPU it builds SmolLM2-135M-Instruct (ONNX graph, parity-checked; TensorRT engines
 too when `import tensorrt` works there), then runs `lade-export compare` on the first 16
-MT-Bench prompts (256 new tokens max): greedy, the `default` profile (W=5,N=4,G=5) and
+MT-Bench prompts (256 new tokens max): greedy, the `default` profile (W=1,N=3,G=2,K=6,B=2) and
 `gpu-large` (W=15,N=5,G=15), every lookahead output checked token for token against
 greedy, with
   - the PyTorch backend, float16, on CUDA                       -> gpu-<GPU>-torch-fp16/

@@ -3,10 +3,10 @@
 #
 #   bash bench/run_cpu.sh [--tune]
 #
-# 1. Builds (once) the float32, int4, int4-lade (this project's kernels: float32 compute on
-#    Q4_1/Q8_0 blocks, needs scripts/fetch_ort_headers.sh), int4-greedy (int8 activations,
-#    greedy only) and int8 artifacts under artifacts/ (delete one to rebuild it with the current
-#    exporter).
+# 1. Builds (once) the float32, int4, int4-lade (this project's kernels: integer compute on
+#    Q4_1/Q8_0 blocks; the build compiles them, with ONNX Runtime's headers fetched once),
+#    int4-greedy (int8 activations, greedy only) and int8 artifacts under artifacts/ (delete
+#    one to rebuild it with the current exporter).
 # 2. With --tune: tunes a profile for float32 and for int4 on MT-Bench prompts 16..23,
 #    validated on our own chat set (bench/prompts/chat.jsonl) — the shipped default
 #    profiles come from such runs; the tuned files land in bench/results/tuned-*.toml.

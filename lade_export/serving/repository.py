@@ -113,7 +113,8 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         profiles: profiles clients may name (shipped names, TOML paths, ``W,N,G[,K[,B]]``); the
             first is the default. Empty: the artifact's built profiles and its default.
             ``greedy`` is always served.
-        backend: ``ort`` or ``tensorrt`` (the artifact's first engine).
+        backend: ``ort`` or ``tensorrt`` (each request on the artifact's engine that covers its
+            profile).
         device: ``cpu`` or ``cuda`` (default: cpu for ort, cuda for tensorrt).
         max_new_tokens_limit: the most new tokens a request may ask for (default: the
             context minus one; the prompt and new tokens must fit the context anyway).
