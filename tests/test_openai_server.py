@@ -402,6 +402,14 @@ def test_the_kv_pool_bounds_a_request_and_its_default_max_tokens(stories_artifac
             assert r.usage.prompt_tokens + r.usage.completion_tokens <= 300  # omitted: what the pool leaves
             assert r.choices[0].text == model.generate("Once upon a time", chat=False, lookahead=False,
                                                        max_new_tokens=r.usage.completion_tokens).text
+            for max_tokens in (None, 1):  # a prompt the pool cannot hold with a new token: the same kind of answer
+                request = {**C, "prompt": [5] * 300, "max_tokens": max_tokens}
+                status, body = raw(base, "POST", "/v1/completions",
+                                   {k: v for k, v in request.items() if v is not None})
+                assert (status, body) == (400, {"error": {
+                    "message": "the prompt is 300 tokens; this server takes at most 299 (its KV pool holds 300 "
+                               "tokens, --kv-tokens)", "type": "invalid_request_error", "param": "prompt",
+                    "code": "context_length_exceeded"}})
     finally:
         model.close()
 
@@ -690,3 +698,28 @@ def test_smollm2_chat_and_raw_completions_equal_generate(smollm2_artifact):
             assert r.choices[0].text == model.generate(raw_ids, max_new_tokens=n).text
     finally:
         model.close()
+
+
+def test_a_queued_request_that_leaves_passes_its_wake_up_to_the_next_one():
+    """A slot freed while the waiter it woke is being cancelled (its client left) goes to the
+    next waiter: asyncio's Condition drops a notification whose waiter is cancelled, so the
+    queue stalled with the slot free until another request came and went."""
+    import asyncio
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(decoder=SimpleNamespace(max_context=512), tokenizer=None, scheduler=None)
+    srv = OpenAIServer(model, ServerConfig("m", {}, max_concurrent=1))
+
+    async def scenario():
+        await srv._acquire()  # the only slot is taken
+        second = asyncio.ensure_future(srv._acquire())
+        third = asyncio.ensure_future(srv._acquire())
+        await asyncio.sleep(0.01)
+        assert (srv.running, srv.waiting) == (1, 2)
+        srv.release()
+        await asyncio.sleep(0)  # the release's notify runs: the second waiter is woken ...
+        second.cancel()  # ... and its client leaves before it runs
+        await asyncio.wait_for(third, 2.0)
+        return second.cancelled(), srv.running, srv.waiting
+
+    assert asyncio.run(scenario()) == (True, 1, 0)

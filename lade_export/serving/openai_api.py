@@ -169,6 +169,13 @@ class OpenAIServer:
                 try:
                     await self._slots.wait_for(lambda: self.running < self.config.max_concurrent
                                                or self.shutdown_error is not None)
+                except asyncio.CancelledError:
+                    # Its client left. A release may have woken this waiter for a free slot, and
+                    # asyncio's Condition drops a cancelled waiter's wake-up: pass it on (wait
+                    # re-acquired the lock before raising).
+                    if self.running < self.config.max_concurrent:
+                        self._slots.notify()
+                    raise
                 finally:
                     self.waiting -= 1
                 if self.shutdown_error is not None:

@@ -134,13 +134,14 @@ class Run:
         m = self.server.metrics
         try:
             ids = model.encode(job.prompt, chat=job.chat)
-            limit = cfg.max_prompt_tokens or self.server.context - 1
-            if len(ids) > limit:
-                raise bad_request(f"the prompt is {len(ids)} tokens; this server takes at most {limit}",
-                                  "messages" if job.chat else "prompt", "context_length_exceeded")
-            max_new = job.max_tokens
             pool = getattr(getattr(model, "scheduler", None), "kv_tokens", None)  # the scheduler's KV pool
             room = self.server.context if pool is None else min(self.server.context, pool)
+            limit = min(cfg.max_prompt_tokens or room - 1, room - 1)  # a prompt leaves room for a new token
+            if len(ids) > limit:
+                bound = "" if room == self.server.context else f" (its KV pool holds {room} tokens, --kv-tokens)"
+                raise bad_request(f"the prompt is {len(ids)} tokens; this server takes at most {limit}{bound}",
+                                  "messages" if job.chat else "prompt", "context_length_exceeded")
+            max_new = job.max_tokens
             if max_new is None:
                 max_new = max(1, min(cfg.max_new_tokens_limit, room - len(ids)))
             elif len(ids) + max_new > self.server.context:
