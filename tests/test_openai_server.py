@@ -114,6 +114,11 @@ def test_completions_stream_and_not_equal_generate_and_the_reference(stories_mod
     with serving(stories_model) as (base, _):
         c = client(base)
         assert [m.id for m in c.models.list().data] == ["stories"]
+        assert c.models.retrieve("stories").id == "stories"  # what the official client's retrieve reads
+        with pytest.raises(openai.NotFoundError) as err:
+            c.models.retrieve("gpt-4o")
+        assert err.value.body == {"message": "model 'gpt-4o' is not served here; this server serves 'stories'",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
         for case in reference_greedy["cases"]:
             n = 40
             expected = stories_model.generate(case["prompt"], chat=False, max_new_tokens=n, temperature=0)
@@ -309,6 +314,7 @@ def test_the_api_key_is_required_where_set(stories_model):
         status, body = raw(base, "POST", "/v1/completions", {"model": "stories", "prompt": "Hi"})
         assert status == 401 and body["error"]["message"] == "missing API key: send Authorization: Bearer KEY"
         assert raw(base, "GET", "/v1/models")[0] == 401 and raw(base, "GET", "/metrics")[0] == 401
+        assert raw(base, "GET", "/v1/models/stories")[0] == 401
         assert raw(base, "GET", "/health") == (200, {"status": "ok"})
         r = client(base, "s3cret-key").completions.create(model="stories", prompt="Once upon a time", max_tokens=4,
                                                           temperature=0)

@@ -2,7 +2,7 @@
 
 Endpoints (the OpenAI REST API's shapes, https://platform.openai.com/docs/api-reference):
 
-* ``GET /v1/models`` — the one served model.
+* ``GET /v1/models`` — the one served model; ``GET /v1/models/{id}`` — its object.
 * ``POST /v1/completions`` — ``prompt`` as a string, a one-element list of strings, a list
   of token ids or a one-element list of them. The prompt is raw: control-token strings in
   it (``<|im_start|>`` …) are control tokens, as llama-server and vLLM read them.
@@ -99,6 +99,7 @@ class OpenAIServer:
         self.metrics = Metrics(self)
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model_id:path}", self.retrieve_model, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
@@ -227,8 +228,23 @@ class OpenAIServer:
             self._authorize(request)
         except APIError as err:
             return err.response()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "lade-export"}]})
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def retrieve_model(self, request: Request):
+        """``GET /v1/models/{id}``: the served model's object (OpenAI's retrieve schema), or 404
+        ``model_not_found`` for another id."""
+        try:
+            self._authorize(request)
+            model_id = request.path_params["model_id"]
+            if model_id != self.config.model_name:
+                raise APIError(404, f"model {model_id!r} is not served here; this server serves "
+                                    f"{self.config.model_name!r}", param="model", code="model_not_found")
+        except APIError as err:
+            return err.response()
+        return JSONResponse(self._model_object())
+
+    def _model_object(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "lade-export"}
 
     async def prometheus(self, request: Request):
         """``GET /metrics``: the server's metrics in Prometheus text format (:mod:`.openai_metrics`)."""
