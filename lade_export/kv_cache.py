@@ -60,8 +60,8 @@ def zeros(shape: tuple, dtype) -> np.ndarray:
     reports free memory to the host (virtio-balloon free page reporting, as on Firecracker
     hosts), free blocks of 2 MiB and more are handed back to the host, so the first touch of a
     transparent huge page, which takes such a block, waits for the host to back it again: ~9 ms
-    per 2 MiB on the machine of ``bench/results``, ~10× a plain page's first touch, while a huge
-    page freed and reused within a process is fast (no compaction: ``compact_stall`` stayed 0).
+    per 2 MiB on the machine of ``bench/results``, ~10× a plain page's first touch, while one
+    freed and taken again soon after is fast (no compaction: ``compact_stall`` stayed 0).
     A scheduler's pool growing while requests ran stalled every stream for that long
     (``bench/results/serving.md``).
 

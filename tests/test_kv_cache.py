@@ -82,6 +82,7 @@ def test_store_rows_writes_every_layer_alike_stacked_or_not(src, dst, dtype):
     assert sorted(stacked_feeds) == sorted(plain_feeds) and len(plain_feeds) == 2 * DIMS.num_layers
     for name, feed in stacked_feeds.items():
         assert feed.shape == (1, 31, DIMS.kv_heads, DIMS.head_dim) and feed.flags.c_contiguous
+        assert np.shares_memory(feed, stacked._block)  # a view, not a copy: the engine reads the cache in place
         assert np.array_equal(feed, plain_feeds[name])
 
 

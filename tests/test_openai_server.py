@@ -115,6 +115,7 @@ def test_completions_stream_and_not_equal_generate_and_the_reference(stories_mod
         c = client(base)
         assert [m.id for m in c.models.list().data] == ["stories"]
         assert c.models.retrieve("stories").id == "stories"  # what the official client's retrieve reads
+        assert raw(base, "GET", "/v1/models/")[1]["data"][0]["id"] == "stories"  # the list, as before the route
         with pytest.raises(openai.NotFoundError) as err:
             c.models.retrieve("gpt-4o")
         assert err.value.body == {"message": "model 'gpt-4o' is not served here; this server serves 'stories'",
@@ -314,7 +315,7 @@ def test_the_api_key_is_required_where_set(stories_model):
         status, body = raw(base, "POST", "/v1/completions", {"model": "stories", "prompt": "Hi"})
         assert status == 401 and body["error"]["message"] == "missing API key: send Authorization: Bearer KEY"
         assert raw(base, "GET", "/v1/models")[0] == 401 and raw(base, "GET", "/metrics")[0] == 401
-        assert raw(base, "GET", "/v1/models/stories")[0] == 401
+        assert raw(base, "GET", "/v1/models/stories")[0] == 401 and raw(base, "GET", "/v1/models/other")[0] == 401
         assert raw(base, "GET", "/health") == (200, {"status": "ok"})
         r = client(base, "s3cret-key").completions.create(model="stories", prompt="Once upon a time", max_tokens=4,
                                                           temperature=0)
@@ -414,8 +415,11 @@ def test_the_kv_pool_bounds_a_request_and_its_default_max_tokens(stories_artifac
                                    {k: v for k, v in request.items() if v is not None})
                 assert (status, body) == (400, {"error": {
                     "message": "the prompt is 300 tokens; this server takes at most 299 (its KV pool holds 300 "
-                               "tokens, --kv-tokens)", "type": "invalid_request_error", "param": "prompt",
+                               "tokens)", "type": "invalid_request_error", "param": "prompt",
                     "code": "context_length_exceeded"}})
+        with serving(model, max_prompt_tokens=100) as (base, _):  # a smaller limit of its own: the pool is not named
+            status, body = raw(base, "POST", "/v1/completions", {**C, "prompt": [5] * 150})
+            assert (status, body["error"]["message"]) == (400, "the prompt is 150 tokens; this server takes at most 100")
     finally:
         model.close()
 
@@ -706,10 +710,11 @@ def test_smollm2_chat_and_raw_completions_equal_generate(smollm2_artifact):
         model.close()
 
 
-def test_a_queued_request_that_leaves_passes_its_wake_up_to_the_next_one():
-    """A slot freed while the waiter it woke is being cancelled (its client left) goes to the
-    next waiter: asyncio's Condition drops a notification whose waiter is cancelled, so the
-    queue stalled with the slot free until another request came and went."""
+def test_a_freed_slot_goes_to_the_request_that_waited_longest_even_as_its_client_leaves():
+    """A release hands its slot to the oldest waiting request; when that request's client
+    leaves at the same moment, the slot goes on to the next one in arrival order (with an
+    asyncio Condition the wake-up was lost there and the queue stalled with the slot free,
+    reproduced over HTTP); a request arriving meanwhile queues behind them."""
     import asyncio
     from types import SimpleNamespace
 
@@ -717,15 +722,25 @@ def test_a_queued_request_that_leaves_passes_its_wake_up_to_the_next_one():
     srv = OpenAIServer(model, ServerConfig("m", {}, max_concurrent=1))
 
     async def scenario():
-        await srv._acquire()  # the only slot is taken
-        second = asyncio.ensure_future(srv._acquire())
-        third = asyncio.ensure_future(srv._acquire())
-        await asyncio.sleep(0.01)
-        assert (srv.running, srv.waiting) == (1, 2)
-        srv.release()
-        await asyncio.sleep(0)  # the release's notify runs: the second waiter is woken ...
-        second.cancel()  # ... and its client leaves before it runs
-        await asyncio.wait_for(third, 2.0)
-        return second.cancelled(), srv.running, srv.waiting
+        order = []
 
-    assert asyncio.run(scenario()) == (True, 1, 0)
+        async def request(name):
+            await srv._acquire()
+            order.append(name)
+
+        await srv._acquire()  # the only slot is taken
+        tasks = {name: asyncio.ensure_future(request(name)) for name in "BCD"}
+        await asyncio.sleep(0.01)
+        assert (srv.running, srv.waiting) == (1, 3)
+        srv.release()  # B is handed the slot ...
+        tasks["B"].cancel()  # ... and its client leaves before B runs: C gets it
+        late = asyncio.ensure_future(request("E"))  # arrives now, queues behind D
+        await asyncio.sleep(0.01)
+        first = (list(order), srv.running, srv.waiting)
+        for _ in range(2):  # C's slot goes to D, D's to E
+            srv.release()
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(late, 2.0)
+        return tasks["B"].cancelled(), first, order, srv.running
+
+    assert asyncio.run(scenario()) == (True, (["C"], 1, 2), ["C", "D", "E"], 1)

@@ -51,6 +51,7 @@ prometheus_client).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import threading
@@ -91,7 +92,8 @@ class OpenAIServer:
         self._has_chat_template = getattr(tokenizer, "has_chat_template", True)
         self.running = 0
         self.waiting = 0
-        self._slots: asyncio.Condition | None = None
+        #: futures of the requests waiting for a slot, oldest first (a release hands its slot to the first)
+        self._queue: collections.deque = collections.deque()
         #: the admitted requests (:class:`~lade_export.serving.openai_stream.Run`) not yet finished
         self.runs: set = set()
         #: the 503 every request still in flight gets once :meth:`end_drain` ran, else None
@@ -157,40 +159,43 @@ class OpenAIServer:
             raise bad_request(f"the request body is not valid JSON: {err}") from None
 
     async def _acquire(self) -> None:
-        if self._slots is None:
-            self._slots = asyncio.Condition()
-        async with self._slots:
-            if self.shutdown_error is not None:
-                raise self.shutdown_error
-            if self.running >= self.config.max_concurrent:
-                if self.waiting >= self.config.max_queue:
-                    raise APIError(429, f"the server is at capacity ({self.running} running, {self.waiting} waiting); "
-                                        "try again later", "rate_limit_error", code="queue_full")
-                self.waiting += 1
-                try:
-                    await self._slots.wait_for(lambda: self.running < self.config.max_concurrent
-                                               or self.shutdown_error is not None)
-                except asyncio.CancelledError:
-                    # Its client left. A release may have woken this waiter for a free slot, and
-                    # asyncio's Condition drops a cancelled waiter's wake-up: pass it on (wait
-                    # re-acquired the lock before raising).
-                    if self.running < self.config.max_concurrent:
-                        self._slots.notify()
-                    raise
-                finally:
-                    self.waiting -= 1
-                if self.shutdown_error is not None:
-                    raise self.shutdown_error
+        """Take a slot of ``max_concurrent``, or wait for one in arrival order: a release hands
+        its slot to the request that has waited longest (raises the 429 when ``max_queue``
+        requests wait, the shutdown's 503 once the drain has ended)."""
+        if self.shutdown_error is not None:
+            raise self.shutdown_error
+        if self.running < self.config.max_concurrent and not any(not turn.done() for turn in self._queue):
             self.running += 1
+            return
+        if self.waiting >= self.config.max_queue:
+            raise APIError(429, f"the server is at capacity ({self.running} running, {self.waiting} waiting); "
+                                "try again later", "rate_limit_error", code="queue_full")
+        turn = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
+        self.waiting += 1
+        try:
+            await turn  # a release handed this request its slot (running stays as it was)
+        except asyncio.CancelledError:  # its client left while it waited
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self.release()  # it was handed a slot in the same moment: the next request gets it
+            elif turn in self._queue:
+                self._queue.remove(turn)
+            raise
+        finally:
+            self.waiting -= 1
+        if self.shutdown_error is not None:  # handed a slot as the drain ended
+            self.release()
+            raise self.shutdown_error
 
     def release(self) -> None:
-        """Free a slot (synchronous, so that it also runs in a cancelled task's cleanup)."""
+        """Free a slot: the request that has waited longest gets it, else it is free
+        (synchronous, so that it also runs in a cancelled task's cleanup)."""
+        while self._queue:
+            turn = self._queue.popleft()
+            if not turn.done():  # not cancelled: its client still waits
+                turn.set_result(None)
+                return
         self.running -= 1
-        asyncio.ensure_future(self._notify())
-
-    async def _notify(self, every: bool = False) -> None:
-        async with self._slots:
-            self._slots.notify_all() if every else self._slots.notify()
 
     def end_drain(self, drain_s: float) -> None:
         """End the shutdown's drain (its timeout ran out): cancel every request still in
@@ -213,8 +218,10 @@ class OpenAIServer:
         for run in list(self.runs):
             run.aborted = True
             run.cancel()
-        if self._slots is not None:
-            asyncio.ensure_future(self._notify(every=True))
+        while self._queue:  # the requests still waiting for a slot get the 503 now
+            turn = self._queue.popleft()
+            if not turn.done():
+                turn.set_exception(self.shutdown_error)
 
     # -- endpoints -------------------------------------------------------------------------
 
@@ -236,6 +243,8 @@ class OpenAIServer:
         try:
             self._authorize(request)
             model_id = request.path_params["model_id"]
+            if not model_id:  # /v1/models/ is the list, as before this route
+                return await self.models(request)
             if model_id != self.config.model_name:
                 raise APIError(404, f"model {model_id!r} is not served here; this server serves "
                                     f"{self.config.model_name!r}", param="model", code="model_not_found")

@@ -96,7 +96,8 @@ class ServerConfig:
         max_new_tokens_limit: the largest ``max_tokens`` a request may ask (≥ 1); also
             the default when a request gives none (capped by the context left).
         max_body_bytes: the largest request body, bytes (413 beyond).
-        max_prompt_tokens: the longest prompt, tokens (None: the context less one).
+        max_prompt_tokens: the longest prompt, tokens (None: the context less one, or the
+            scheduler's KV pool less one where that is smaller; never more than that).
     """
 
     model_name: str

@@ -138,7 +138,7 @@ class Run:
             room = self.server.context if pool is None else min(self.server.context, pool)
             limit = min(cfg.max_prompt_tokens or room - 1, room - 1)  # a prompt leaves room for a new token
             if len(ids) > limit:
-                bound = "" if room == self.server.context else f" (its KV pool holds {room} tokens, --kv-tokens)"
+                bound = f" (its KV pool holds {room} tokens)" if limit == room - 1 < self.server.context - 1 else ""
                 raise bad_request(f"the prompt is {len(ids)} tokens; this server takes at most {limit}{bound}",
                                   "messages" if job.chat else "prompt", "context_length_exceeded")
             max_new = job.max_tokens
