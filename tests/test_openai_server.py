@@ -8,6 +8,7 @@ runs; disconnects, limits, keys and bad requests get their documented answers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -715,9 +717,6 @@ def test_a_freed_slot_goes_to_the_request_that_waited_longest_even_as_its_client
     leaves at the same moment, the slot goes on to the next one in arrival order (with an
     asyncio Condition the wake-up was lost there and the queue stalled with the slot free,
     reproduced over HTTP); a request arriving meanwhile queues behind them."""
-    import asyncio
-    from types import SimpleNamespace
-
     model = SimpleNamespace(decoder=SimpleNamespace(max_context=512), tokenizer=None, scheduler=None)
     srv = OpenAIServer(model, ServerConfig("m", {}, max_concurrent=1))
 
