@@ -328,6 +328,7 @@ class Decoder:
             raise GenerationError("empty prompt: give at least one token (the tokenizer's BOS counts)")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an integer ≥ 1, got {shown_value(max_new_tokens)}")
+        max_new_tokens = int(max_new_tokens)  # a numpy integer's sum below would wrap around at its width
         if prompt_len + max_new_tokens > self.max_context:
             raise GenerationError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "

@@ -110,6 +110,13 @@ def test_api_accepts_numpy_numbers(model, reference_greedy):
     with pytest.raises(GenerationError) as info:
         model.generate(case["prompt_ids"], max_new_tokens=np.bool_(True))
     assert str(info.value) == "max_new_tokens must be an integer ≥ 1, got True"
+    n = len(case["prompt_ids"])
+    # a numpy integer near its type's largest value: the context check adds in Python, not wrapping at 16 or 64 bits
+    for big in (np.int16(32767), np.int32(2**31 - 1), np.int64(2**63 - 1), np.uint64(2**64 - 1)):
+        with pytest.raises(GenerationError) as info:
+            model.generate(case["prompt_ids"], max_new_tokens=big, timeout_s=30)  # a wrapped sum would decode on
+        assert str(info.value) == (f"prompt ({n} tokens) + max_new_tokens ({int(big)}) = {n + int(big)} exceeds the "
+                                   f"model's context of 512 tokens")
 
 
 def test_api_takes_numpy_token_ids(model, reference_greedy):
