@@ -24,7 +24,9 @@ admits and retires requests between iterations):
   error in one request's host work fails that request only; an engine error in a packed
   pass is retried item by item, each alone, so it fails only the request that causes it.
 * A request whose consumer has ``max_unread`` chunks waiting is skipped (paused) until
-  the consumer reads; it never holds the others back.
+  the consumer reads; it never holds the others back, nor one of the ``max_batch`` places:
+  a waiting request is admitted beside it (KV room permitting), and a pass takes at most
+  ``max_batch`` decode steps when paused requests read again.
 * Passes run in the threads of the readers (leader/follower): whichever reader is waiting
   for a chunk and finds no pass running runs the next one for everybody; the others wait
   for their chunks. No pass runs while no reader waits.
@@ -260,7 +262,8 @@ class Scheduler:
             :data:`TOKEN_BUDGET`). A step wider than it runs alone.
         prefill_chunk: prompt tokens a pass without decode steps may take (default
             :data:`PREFILL_CHUNK`).
-        max_batch: requests in flight; later ones wait (default :data:`MAX_BATCH`).
+        max_batch: requests running at once, paused ones (``max_unread``) not counted, and
+            the most decode steps of a pass; later ones wait (default :data:`MAX_BATCH`).
         kv_tokens: most tokens the KV pool holds over all requests (keys and values in
             the engine's ``kv_dtype``: float32, ``dims.kv_bytes_per_token`` bytes each, or
             float16 on the integer path, half that; allocated as requests need it).
@@ -383,19 +386,27 @@ class Scheduler:
                 if item.final:
                     return
         finally:
-            req.closed.set()
-            if self._lead.acquire(blocking=False):  # leave now; else the pass in flight's next plan does it
-                try:
-                    with self._cond:
-                        ours = req in self._active or req in self._pending
-                        if req in self._pending:
-                            self._pending.remove(req)
-                    if ours:
-                        self._leave(req)
-                finally:
-                    self._lead.release()
+            req.closed.set()  # before the lead is tried: a reader that holds it sweeps after its pass
+            self._sweep_closed()
             with self._cond:
                 self._cond.notify_all()
+
+    def _sweep_closed(self) -> None:
+        """Requests whose iterators were closed or dropped leave now, KV columns freed, if no
+        pass is running; else the reader running it sweeps when it lets go of the lead (its
+        next plan may never come: the pass may be the last anyone waits for). Each gets a
+        last chunk, "cancelled", as the next plan would give it (a reader still waiting in
+        ``next``, closed from another thread, ends with it)."""
+        if not self._lead.acquire(blocking=False):
+            return
+        try:
+            with self._cond:
+                gone = [req for req in self._pending + self._active if req.closed.is_set()]
+                self._pending = [req for req in self._pending if not req.closed.is_set()]
+            for req in gone:
+                self._finish(req, "cancelled", [])
+        finally:
+            self._lead.release()
 
     def _next_item(self, req: _Request):
         """The request's next chunk (or error), running passes while none is there and no
@@ -410,6 +421,10 @@ class Scheduler:
                     worked = self._iterate()
                 finally:
                     self._lead.release()
+                    with self._cond:
+                        closed = any(other.closed.is_set() for other in self._active + self._pending)
+                    if closed:  # closed while the pass ran
+                        self._sweep_closed()
                     with self._cond:
                         self._cond.notify_all()  # chunks for the others, and the lead is free
                 if worked:
@@ -454,12 +469,16 @@ class Scheduler:
         t0 = time.perf_counter()  # the pass's cost, host work included, is what the width policy weighs
         ended = self._expire_pending()
         with self._cond:
-            while (self._pending and len(self._active) < self.max_batch
+            # a paused request keeps its KV room but not its place: a consumer that reads one stream at a
+            # time, in any order, is not left waiting on requests it has not read yet
+            running = sum(1 for req in self._active if not self._paused(req))
+            while (self._pending and running < self.max_batch
                    and self._reserved + self._pending[0].need <= self.kv_tokens):
                 req = self._pending.pop(0)
                 self.pool.admit(req.id, req.need)  # its region (an engine that skips masked key blocks)
                 self._reserved += req.need
                 self._active.append(req)
+                running += 1
         items = self._plan()
         if not items:
             return ended
@@ -469,6 +488,10 @@ class Scheduler:
             for req, _ in items:
                 self._fail(req, err)
         return True
+
+    def _paused(self, req: _Request) -> bool:
+        """Whether the request's consumer has ``max_unread`` chunks waiting (its decode steps skipped)."""
+        return req.ready and req.out.qsize() >= self.max_unread
 
     def _expire_pending(self) -> bool:
         """Requests still waiting for admission that were closed, cancelled or timed out end
@@ -532,7 +555,7 @@ class Scheduler:
             if req.closed.is_set():  # a last chunk (a reader still waiting in next() gets it), and out
                 self._finish(req, "cancelled", [])
                 continue
-            if not req.ready or req.out.qsize() >= self.max_unread:
+            if not req.ready or self._paused(req):
                 continue
             try:
                 reason = _end_reason(req)
@@ -543,6 +566,8 @@ class Scheduler:
                     req.t1 = time.perf_counter()
             except Exception as err:  # the request's own objects (its cancel event) failed
                 self._fail(req, err)
+                continue
+            if len(steps) == self.max_batch:  # more running than max_batch (paused ones read again): the next pass
                 continue
             steps.append(req)
             if self.pool.used == 0:

@@ -225,6 +225,64 @@ def test_a_consumer_that_stops_reading_is_paused_not_the_others(stories_decoder,
     scheduler.close()
 
 
+def test_paused_requests_leave_their_places_to_the_streams_read_next(stories_decoder, reference_greedy, solo):
+    """Three streams opened up front and read newest first, two at a time in flight
+    (max_batch=2): the first two pause with their unread chunks, the third is admitted
+    beside them and runs, then each paused one resumes when read; every output is its solo
+    run's and no pass carries more than max_batch decode steps."""
+    scheduler = Scheduler(stories_decoder, max_batch=2, max_unread=2, timeline=True)
+    specs = [REQUESTS[0], REQUESTS[3], REQUESTS[2]]
+    streams = [_submit(scheduler, reference_greedy, spec) for spec in specs]
+    results = [None] * 3
+
+    def read():
+        for i in reversed(range(3)):
+            results[i] = collect(streams[i])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(300)
+    stuck = reader.is_alive()
+    scheduler.close()
+    assert not stuck, "the reader waited on a request that paused ones kept out"
+    assert all(_same(r, solo[REQUESTS.index(spec)]) for r, spec in zip(results, specs))
+    assert max(p.steps for p in scheduler.timeline) == 2
+    assert scheduler.pool.used == 0 and scheduler.active_requests == 0
+
+
+class _CloseDuring(WrappedEngine):
+    """The stories engine; once armed, its next pass closes the stream ``victim`` (as another
+    thread's close lands while a pass runs)."""
+
+    victim = None
+
+    def run(self, feeds, with_logits=False):
+        if self.victim is not None:
+            victim, self.victim = self.victim, None
+            victim.close()
+        return self.engine.run(feeds, with_logits)
+
+
+def test_a_stream_closed_during_the_last_pass_still_frees_its_columns(stories_decoder, reference_greedy):
+    """A stream closed while another reader runs a pass cannot leave then (the pass holds the
+    lead); when that pass is the last anyone waits for, the reader that ran it frees the
+    closed request's columns on its way out instead of leaving them to a next pass."""
+    from lade_export.runtime import Decoder
+
+    engine = _CloseDuring(stories_decoder.engine)
+    decoder = Decoder(engine, stories_decoder.stop_token_ids, stories_decoder.max_context, stories_decoder.tokenizer)
+    scheduler = Scheduler(decoder)
+    closed = scheduler.stream(reference_greedy["cases"][0]["prompt_ids"], 100)
+    next(closed)
+    last = scheduler.stream(reference_greedy["cases"][1]["prompt_ids"], 3)
+    next(last), next(last)  # two of its three tokens: one pass (one greedy step) to go
+    engine.victim = closed
+    final = next(last)
+    assert final.final and engine.victim is None  # its last pass ran, and closed the other stream during it
+    assert scheduler.active_requests == 0 and scheduler.pool.used == 0
+    scheduler.close()
+
+
 def test_bad_requests_and_options_are_refused_in_one_line(stories_decoder, reference_greedy):
     with pytest.raises(GenerationError, match=r"token_budget must be an integer ≥ 1, got 0"):
         Scheduler(stories_decoder, token_budget=0)
@@ -359,9 +417,9 @@ def test_a_timeout_ends_a_request_still_waiting_for_a_slot_or_in_its_prefill(sto
     cancelled one does (it used to wait for a slot and for its whole prefill first)."""
     import lade_export
 
-    with lade_export.load(stories_artifact, batching=True, max_batch=1) as model:
+    with lade_export.load(stories_artifact, batching=True, max_batch=1, kv_tokens=420) as model:
         holder = model.stream("Once upon a time", max_new_tokens=400, profile="greedy")
-        next(holder)  # holds the only slot
+        next(holder)  # holds the only slot, and once paused (unread) still the pool's room (~405 of 420 tokens)
         t0 = time.perf_counter()
         waiting = model.generate("The little dog", max_new_tokens=20, timeout_s=0.05)
         assert waiting.stop_reason == "timeout" and waiting.token_ids == []
