@@ -184,10 +184,10 @@ class _RequestChunks:
     the reader waits in ``next`` ends the request at the next pass boundary; the reader then
     gets a last chunk, ``stop_reason`` "cancelled"."""
 
-    __slots__ = ("_chunks", "_req")
+    __slots__ = ("_chunks", "_req", "_sweep")
 
-    def __init__(self, chunks: Iterator[Chunk], req: "_Request"):
-        self._chunks, self._req = chunks, req
+    def __init__(self, chunks: Iterator[Chunk], req: "_Request", sweep):
+        self._chunks, self._req, self._sweep = chunks, req, sweep
 
     def __iter__(self) -> "_RequestChunks":
         return self
@@ -196,11 +196,12 @@ class _RequestChunks:
         return next(self._chunks)
 
     def close(self) -> None:
-        self._req.closed.set()  # the next plan (or admission) lets the request go
+        self._req.closed.set()  # before the lead is tried (Scheduler._sweep_closed)
         try:
             self._chunks.close()
         except ValueError:  # "generator already executing": a reader waits in next(); it ends as above
             pass
+        self._sweep()  # a generator never started runs no finally: the request leaves here
 
     def __del__(self):
         try:
@@ -374,7 +375,7 @@ class Scheduler:
                 raise GenerationError("the scheduler is closed")
             self._pending.append(req)
             self._cond.notify_all()
-        return _RequestChunks(self._chunks(req), req)
+        return _RequestChunks(self._chunks(req), req, self._sweep_closed)
 
     def _chunks(self, req: _Request) -> Iterator[Chunk]:
         try:
@@ -397,16 +398,18 @@ class Scheduler:
         next plan may never come: the pass may be the last anyone waits for). Each gets a
         last chunk, "cancelled", as the next plan would give it (a reader still waiting in
         ``next``, closed from another thread, ends with it)."""
-        if not self._lead.acquire(blocking=False):
-            return
-        try:
-            with self._cond:
-                gone = [req for req in self._pending + self._active if req.closed.is_set()]
-                self._pending = [req for req in self._pending if not req.closed.is_set()]
-            for req in gone:
-                self._finish(req, "cancelled", [])
-        finally:
-            self._lead.release()
+        while self._lead.acquire(blocking=False):
+            try:
+                with self._cond:
+                    gone = [req for req in self._pending + self._active if req.closed.is_set()]
+                    self._pending = [req for req in self._pending if not req.closed.is_set()]
+                for req in gone:
+                    self._finish(req, "cancelled", [])
+            finally:
+                self._lead.release()
+            with self._cond:  # one closed while this sweep held the lead found it taken: swept again
+                if not any(req.closed.is_set() for req in self._pending + self._active):
+                    return
 
     def _next_item(self, req: _Request):
         """The request's next chunk (or error), running passes while none is there and no

@@ -394,6 +394,27 @@ def test_a_stream_closed_or_dropped_before_its_first_chunk_leaves_the_scheduler(
         assert model.scheduler.active_requests == 0 and model.scheduler.pool.used == 0
 
 
+def test_a_stream_admitted_by_others_passes_and_closed_unread_frees_its_room_at_once(stories_decoder,
+                                                                                     reference_greedy):
+    """A stream that another reader's passes admitted and prefilled, closed (or dropped)
+    without ever being read, leaves at the close: no later pass need come for its columns
+    and reservation to come back."""
+    scheduler = Scheduler(stories_decoder)
+    prompt = reference_greedy["cases"][0]["prompt_ids"]
+    for end in ("close", "drop"):
+        short = scheduler.stream(prompt, 3)
+        unread = scheduler.stream(prompt, 200)
+        assert collect(short).token_ids == reference_greedy["cases"][0]["greedy_ids"][:3]
+        assert scheduler.active_requests == 1 and scheduler.pool.used > 0  # admitted and prefilled beside it
+        if end == "close":
+            unread.close()
+        else:
+            del unread
+            gc.collect()
+        assert scheduler.active_requests == 0 and scheduler.pool.used == 0 and scheduler._reserved == 0
+    scheduler.close()
+
+
 def test_a_stream_closed_from_another_thread_ends_its_reader_with_a_last_chunk(stories_artifact):
     import lade_export
 
