@@ -398,18 +398,21 @@ class Scheduler:
         next plan may never come: the pass may be the last anyone waits for). Each gets a
         last chunk, "cancelled", as the next plan would give it (a reader still waiting in
         ``next``, closed from another thread, ends with it)."""
-        while self._lead.acquire(blocking=False):
+        # checked again after each sweep: a close whose try of the lead met this sweep is swept too
+        while self._closed_requests() and self._lead.acquire(blocking=False):
             try:
+                gone = self._closed_requests()
                 with self._cond:
-                    gone = [req for req in self._pending + self._active if req.closed.is_set()]
-                    self._pending = [req for req in self._pending if not req.closed.is_set()]
+                    self._pending = [req for req in self._pending if req not in gone]
                 for req in gone:
                     self._finish(req, "cancelled", [])
             finally:
                 self._lead.release()
-            with self._cond:  # one closed while this sweep held the lead found it taken: swept again
-                if not any(req.closed.is_set() for req in self._pending + self._active):
-                    return
+
+    def _closed_requests(self) -> list:
+        """Requests waiting or running whose iterators were closed or dropped."""
+        with self._cond:
+            return [req for req in self._pending + self._active if req.closed.is_set()]
 
     def _next_item(self, req: _Request):
         """The request's next chunk (or error), running passes while none is there and no
@@ -424,10 +427,7 @@ class Scheduler:
                     worked = self._iterate()
                 finally:
                     self._lead.release()
-                    with self._cond:
-                        closed = any(other.closed.is_set() for other in self._active + self._pending)
-                    if closed:  # closed while the pass ran
-                        self._sweep_closed()
+                    self._sweep_closed()  # streams closed while the pass ran
                     with self._cond:
                         self._cond.notify_all()  # chunks for the others, and the lead is free
                 if worked:
