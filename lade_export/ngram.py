@@ -246,7 +246,7 @@ class HistoryIndex:
     weak matches rarely run long, and every proposed token widens the step.
     """
 
-    MAX_MATCH = 3
+    MAX_MATCH = 3  # longest suffix matched: _index builds the 1-, 2- and 3-token n-grams
     ENDS_KEPT = 4  # most recent end positions remembered per n-gram
 
     def __init__(self):
@@ -263,15 +263,29 @@ class HistoryIndex:
         return min(length, 2)
 
     def _index(self, sequence: list) -> None:
+        """Index the n-grams (1 to 3 tokens) ending at positions ``indexed … len − 2`` (every
+        position but the last). Runs in the scheduler's planning, a prompt's whole length at
+        its first step, so the n-grams are built from the last three tokens held in locals."""
         n = len(sequence)
-        for end in range(self.indexed, n - 1):  # index every position but the last
-            for m in range(1, self.MAX_MATCH + 1):
-                if end - m + 1 >= 0:
-                    ends = self.ends.setdefault(tuple(sequence[end - m + 1: end + 1]), [])
+        start = self.indexed
+        if start >= n - 1:
+            return
+        ends_of, kept = self.ends, self.ENDS_KEPT
+        b = sequence[start - 1] if start >= 1 else None  # the token before `end`
+        a = sequence[start - 2] if start >= 2 else None  # the one before that
+        for end in range(start, n - 1):
+            c = sequence[end]
+            keys = ((c,), (b, c), (a, b, c)) if end >= 2 else ((c,), (b, c)) if end == 1 else ((c,),)
+            for key in keys:
+                ends = ends_of.get(key)
+                if ends is None:
+                    ends_of[key] = [end]
+                else:
                     ends.append(end)
-                    if len(ends) > self.ENDS_KEPT:
+                    if len(ends) > kept:
                         del ends[0]
-        self.indexed = max(self.indexed, n - 1)
+            a, b = b, c
+        self.indexed = n - 1
 
     def lookup(self, sequence: list, length: int, branches: int = 1, min_match: int = 1) -> list[list[int]]:
         """Up to ``branches`` distinct continuations of the sequence's suffix: the longest

@@ -158,6 +158,33 @@ def test_history_lookup_span_follows_match_strength():
     assert [HistoryIndex.span(m, 1) for m in (3, 2, 1)] == [1, 1, 1]
 
 
+def test_history_index_grown_in_pieces_keeps_each_ngrams_latest_ends():
+    """Indexed a few tokens at a time, as decoding grows the sequence, the index holds, for
+    every 1- to 3-token n-gram, its ENDS_KEPT latest end positions (the last token excluded),
+    and lookups propose what followed them."""
+    from lade_export.ngram import HistoryIndex
+
+    rng = np.random.default_rng(5)
+    seq = [int(t) for t in rng.integers(0, 6, size=400)]  # a small vocabulary: many repeats
+    index, length, lookups = HistoryIndex(), 0, 0
+    while length < len(seq):
+        length = min(len(seq), length + int(rng.integers(1, 12)))
+        got = index.lookup(seq[:length], 6, branches=3)
+        want = {}
+        for end in range(length - 1):
+            for m in (1, 2, 3):
+                if end - m + 1 >= 0:
+                    want.setdefault(tuple(seq[end - m + 1:end + 1]), []).append(end)
+        assert index.ends == {k: v[-HistoryIndex.ENDS_KEPT:] for k, v in want.items()}
+        assert index.indexed == length - 1
+        if length >= 4:
+            last3 = tuple(seq[length - 3:length])
+            end = want[last3][-1] if last3 in want else None
+            if end is not None:  # the latest earlier occurrence of the 3-token suffix comes first
+                assert got[0] == seq[end + 1:min(end + 7, length)]
+                lookups += 1
+    assert lookups > 20
+
 def test_history_lookup_min_match_drops_weaker_suffix_matches():
     prompt = [1, 7, 8, 9, 10, 11, 2, 5, 8]  # (5, 8) never occurred before; 8 alone did, followed by 9, 10
     weak = LookaheadState(LookaheadProfile(0, 2, 0, lookup=4), vocab=50, prompt_ids=prompt)
