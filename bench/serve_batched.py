@@ -15,6 +15,9 @@ For each concurrency level N and each mode, N client threads keep N requests in 
   on the same weights' Q4_1 GGUF, fed the same prompt token ids
   (``bench/llama_server_peer.py``); started per level and round, between the lade modes.
 
+``--scheduler-only`` leaves the threads mode out (its closed loop is the slowest; the
+decodings' paired ratios through the scheduler need only the scheduler modes).
+
 Levels are run in order and the two modes alternate within a level, ``--rounds`` times
 (the machine may be shared: compare ratios within a level; the median round is shown).
 With ``--interleave-levels`` each round runs every level in turn instead, and the scaling
@@ -132,6 +135,9 @@ def main(argv=None) -> int:
                          "round, each level's throughput over the first level's: scaling ratios that hold where "
                          "the machine's speed drifts between minutes")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--scheduler-only", action="store_true",
+                    help="leave out the threads mode (scheduler modes and peers only: half the time where "
+                    "only the decodings' paired ratios through the scheduler are wanted)")
     ap.add_argument("--backend", default="ort", help="ort, tensorrt or torch (lade_export.load's backend)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="the torch backend's compute dtype")
@@ -152,7 +158,7 @@ def main(argv=None) -> int:
     schedulers = {("scheduler" if len(args.width_policy) == 1 else f"scheduler-{p}"):
                   Scheduler(model.decoder, token_budget=args.token_budget or TOKEN_BUDGET, width_policy=p)
                   for p in args.width_policy}
-    modes = ["threads", *schedulers]
+    modes = [*([] if args.scheduler_only else ["threads"]), *schedulers]
     report = {"command": "python bench/serve_batched.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "artifact": args.artifact, "cores": os.cpu_count(), "load_average_before": os.getloadavg(),
               "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "runs": []}
@@ -218,13 +224,14 @@ def main(argv=None) -> int:
             s["equal_to_solo"] = sum(r["equal_to_solo"] for r in rounds) if mode in modes else None
             s["requests"] = sum(r["requests"] for r in rounds)
             report["runs"].append({"decoding": decoding, "concurrency": c, "mode": mode, **s})
-            base = row.get((decoding, "threads")) or row[("greedy", "threads")]
+            base = row.get((decoding, "threads")) or row.get(("greedy", "threads"))
             extra = (f"{s['requests_per_pass']:.2f} | {s['rows_per_pass']:.1f} | "
                      f"{width_shares(s['width_pass_share'])}" if mode in schedulers else "– | – | –")
             same = f"{s['equal_to_solo']}/{s['requests']}" if mode in modes else "–"
             cpu = f"{s['cpu_ms_per_token']:.2f}" if s.get("cpu_ms_per_token") is not None else "–"
+            vs = f"{s['throughput_tok_s'] / base['throughput_tok_s']:.2f}×" if base else "–"
             print(f"| {decoding} | {c} | {mode} | {s['throughput_tok_s']:.1f} | "
-                  f"{s['throughput_tok_s'] / base['throughput_tok_s']:.2f}× | {cpu} | "
+                  f"{vs} | {cpu} | "
                   f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} / "
                   f"{s['tpot_p99_ms']:.1f} | {s['tokens_per_step']:.2f} | {extra} | {same} |", flush=True)
         if args.rounds > 1 and len(args.decoding) > 1:  # per round, each decoding over the first, same mode
