@@ -70,6 +70,21 @@ def _valid_dim(name: str, value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+_KIND_NAMES = {"string": "a string", "integer": "an integer", "list": "a list", "integers": "a list of integers"}
+
+
+def _is_kind(value, kind: str) -> bool:
+    """Whether a JSON value is of ``kind`` (``string``, ``integer`` — not a boolean —,
+    ``list``, ``integers``: a list of integers)."""
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "list":
+        return isinstance(value, list)
+    return isinstance(value, list) and all(_is_kind(v, "integer") for v in value)
+
+
 class _Reader:
     """Collects, while a manifest is read, the keys it lacks (or holds as the wrong kind
     of JSON value) and the values that are wrong, so the refusal is one line."""
@@ -78,12 +93,29 @@ class _Reader:
         self.lacking: list[str] = []
         self.wrong: list[str] = []
 
-    def need(self, data: dict, key: str, at: str):
-        """``data[key]``, or None with ``at.key`` noted as lacking."""
-        if key in data:
-            return data[key]
-        self.lacking.append(f"{at}.{key}" if at else key)
-        return None
+    def need(self, data: dict, key: str, at: str, kind: str | None = None):
+        """``data[key]``, or None with ``at.key`` noted as lacking: absent, null, or (``kind``
+        given: ``"string"``, ``"integer"``, ``"list"``) another kind of JSON value."""
+        where = f"{at}.{key}" if at else key
+        value = data.get(key)
+        if value is None:
+            self.lacking.append(where)
+            return None
+        if kind is not None and not _is_kind(value, kind):
+            self.lacking.append(f"{where} ({_KIND_NAMES[kind]})")
+            return None
+        return value
+
+    def optional(self, data: dict, key: str, at: str, kind: str, default=None):
+        """``data[key]`` when present and not null, else ``default``; a value of another
+        kind than ``kind`` is noted as lacking (and ``default`` returned)."""
+        value = data.get(key)
+        if value is None:
+            return default
+        if not _is_kind(value, kind):
+            self.lacking.append(f"{at}.{key} ({_KIND_NAMES[kind]})")
+            return default
+        return value
 
     def mapping(self, value, at: str) -> dict | None:
         """``value`` when it is a JSON object, else None with ``at (an object)`` noted."""
@@ -185,7 +217,7 @@ class Source(_Section):
 
     @classmethod
     def _read(cls, r, data, at):
-        model = r.need(data, "model", at)
+        model = r.need(data, "model", at, "string")
         return None if model is None else cls(model=model, kind=data.get("kind"), extra=_extra(cls, data))
 
     def to_dict(self) -> dict:
@@ -261,14 +293,12 @@ class ModelInfo(_Section):
 
     @classmethod
     def _read(cls, r, data, at):
-        for key in REQUIRED_KEYS["model"]:
-            r.need(data, key, at)
         dims = data.get("dims")
         if isinstance(dims, dict):
             r.lacking += [f"{at}.dims.{name}" for name in DIMS_FIELDS if name not in dims]
-        elif "dims" in data:
-            r.lacking.append(f"{at}.dims (an object)")
-        stops = r.array(data["stop_token_ids"], f"{at}.stop_token_ids") if "stop_token_ids" in data else None
+        else:
+            r.lacking.append(f"{at}.dims (an object)" if "dims" in data else f"{at}.dims")
+        stops = r.need(data, "stop_token_ids", at, "integers")
         rope = Rope._read(r, data["rope"], f"{at}.rope") \
             if data.get("rope") is not None and r.mapping(data["rope"], f"{at}.rope") is not None else None
         if r.lacking or stops is None or not isinstance(dims, dict):
@@ -299,9 +329,8 @@ def _tensors(r: _Reader, value, at: str) -> tuple | None:
         where = f"{at}[{i}]"
         if r.mapping(entry, where) is None:
             continue
-        name, shape, dtype = (r.need(entry, k, where) for k in ("name", "shape", "dtype"))
-        if shape is not None and r.array(shape, f"{where}.shape") is None:
-            shape = None
+        name, shape, dtype = (r.need(entry, k, where, kind) for k, kind in
+                              (("name", "string"), ("shape", "list"), ("dtype", "string")))
         if None not in (name, shape, dtype):
             out.append(TensorSpec(name=name, shape=tuple(shape), dtype=dtype, doc=entry.get("doc", "")))
     return tuple(out)
@@ -346,12 +375,14 @@ class GraphInfo(_Section):
 
     @classmethod
     def _read(cls, r, data, at):
-        file, opset, inputs, outputs = (r.need(data, k, at) for k in REQUIRED_KEYS["graph"])
-        inputs = _tensors(r, inputs, f"{at}.inputs") if "inputs" in data else None
-        outputs = _tensors(r, outputs, f"{at}.outputs") if "outputs" in data else None
+        file, opset, inputs, outputs = (r.need(data, k, at, kind) for k, kind in
+                                        zip(REQUIRED_KEYS["graph"], ("string", "integer", "list", "list")))
+        inputs = _tensors(r, inputs, f"{at}.inputs") if inputs is not None else None
+        outputs = _tensors(r, outputs, f"{at}.outputs") if outputs is not None else None
+        external = r.optional(data, "external_data", at, "string")
         if None in (file, opset, inputs, outputs):
             return None
-        return cls(file=file, opset=opset, inputs=inputs, outputs=outputs, external_data=data.get("external_data"),
+        return cls(file=file, opset=opset, inputs=inputs, outputs=outputs, external_data=external,
                    precision=data.get("precision", "fp32"), lookahead_exact=data.get("lookahead_exact", True),
                    custom_ops=data.get("custom_ops"), mask=data.get("mask"),
                    attention=data.get("attention", "onnx-ops"), kv_cache=data.get("kv_cache", "sequence-major"),
@@ -391,12 +422,14 @@ class TokenizerInfo(_Section):
 
     @classmethod
     def _read(cls, r, data, at):
-        file = r.need(data, "file", at)
+        file = r.need(data, "file", at, "string")
         special = r.mapping(data.get("special_tokens", {}), f"{at}.special_tokens")
         files = r.array(data.get("files", []), f"{at}.files")
+        template = r.optional(data, "chat_template", at, "string")
+        folder = r.optional(data, "dir", at, "string", "tokenizer")
         if None in (file, special, files):
             return None
-        return cls(file=file, dir=data.get("dir", "tokenizer"), chat_template=data.get("chat_template"),
+        return cls(file=file, dir=folder, chat_template=template,
                    special_tokens=MappingProxyType(dict(special)), checked_samples=data.get("checked_samples"),
                    files=tuple(files), extra=_extra(cls, data))
 
@@ -703,7 +736,7 @@ class FileEntry(_Section):
 
     @classmethod
     def _read(cls, r, data, at):
-        sha256, size = r.need(data, "sha256", at), r.need(data, "bytes", at)
+        sha256, size = r.need(data, "sha256", at, "string"), r.need(data, "bytes", at, "integer")
         return None if None in (sha256, size) else cls(sha256=sha256, bytes=size, extra=_extra(cls, data))
 
     def to_dict(self) -> dict:

@@ -137,6 +137,9 @@ class Tokenizer:
                                          **self.special_tokens, **extra)
         except TemplateError as err:
             raise GenerationError(f"chat template: {err}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as err:
+            # the template's own expression failed (e.g. {{ 1/0 }}): the artifact's data, said in one line
+            raise GenerationError(f"chat template failed: {type(err).__name__}: {err}") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             parse_special_in_messages: bool = False, **extra) -> list[int]:

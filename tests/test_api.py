@@ -345,6 +345,22 @@ def test_chat_template_renders_like_transformers(stories_dir, tmp_path):
         ours.apply_chat_template([{"role": "assistant", "content": "first"}])
 
 
+def test_a_chat_template_that_fails_while_rendering_is_one_error(stories_dir):
+    """A template (the artifact's data) whose expression raises while it renders is a
+    GenerationError naming what failed, not the template engine's traceback."""
+    from lade_export.tokenizer import Tokenizer
+
+    for template, message in (
+            ("{{ 1/0 }}", "chat template failed: ZeroDivisionError: division by zero"),
+            ("{{ messages[0].content + 1 }}", 'chat template failed: TypeError: can only concatenate str (not "int") '
+                                              'to str'),
+            ("{{ messages[5].content }}", "chat template: list object has no element 5")):  # jinja2's own error
+        ours = Tokenizer(stories_dir / "tokenizer.json", template, {}, None)
+        with pytest.raises(GenerationError) as err:
+            ours.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert str(err.value) == message
+
+
 def test_readme_python_example_runs_as_written(stories_artifact, tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     code = readme.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]

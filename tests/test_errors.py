@@ -225,6 +225,12 @@ CASES = [
         t, a, lambda m: m["model"]["dims"].update(vocab=-1)), "--prompt", "hi"], 2,
      "manifest has model.dims.vocab = -1 (sizes are positive integers, tied_embeddings true or false); rebuild with "
      "lade-export build"),
+    ("artifact-manifest-wrong-kind", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m["graph"].update(file=5)), "--prompt", "hi"], 2,
+     "manifest lacks graph.file (a string); rebuild with lade-export build"),
+    ("chat-template-fails", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m["tokenizer"].update(chat_template="{{ 1/0 }}")), "--prompt", "hi"], 2,
+     "chat template failed: ZeroDivisionError: division by zero"),
     ("profile-inline-as-typed", lambda t, s, a: ["generate", a, "--prompt", "hi", "--profile", "0,1,0"], 2,
      "profile '0,1,0': ngram (N) must be ≥ 2, got 1"),
     ("artifact-is-a-file", lambda t, s, a: ["inspect", a / "model.onnx"], 2,

@@ -220,6 +220,22 @@ def test_manifest_refusals_are_one_line(tmp_path, stories_artifact):
         (lambda d: d.update(engines={}), "manifest lacks engines (a list); rebuild with lade-export build"),
         (lambda d: d.update(schema_version=1), "schema_version 1 is not supported by this lade-export (expects 2); "
                                                "rebuild with lade-export build"),
+        # present but null, or another kind of JSON value (hand edits): refused, not read as None
+        (lambda d: d["graph"].update(file=None), "manifest lacks graph.file; rebuild with lade-export build"),
+        (lambda d: d["graph"].update(file=5, opset="17"), "manifest lacks graph.file (a string), graph.opset (an "
+                                                          "integer); rebuild with lade-export build"),
+        (lambda d: d["source"].update(model=None), "manifest lacks source.model; rebuild with lade-export build"),
+        (lambda d: d["tokenizer"].update(file=5), "manifest lacks tokenizer.file (a string); rebuild with "
+                                                  "lade-export build"),
+        (lambda d: d["tokenizer"].update(chat_template=5), "manifest lacks tokenizer.chat_template (a string); "
+                                                           "rebuild with lade-export build"),
+        (lambda d: d["files"]["model.onnx"].update(sha256=5, bytes="x"),
+         "manifest lacks files.model.onnx.sha256 (a string), files.model.onnx.bytes (an integer); rebuild with "
+         "lade-export build"),
+        (lambda d: d["model"].update(stop_token_ids=["x"]), "manifest lacks model.stop_token_ids (a list of "
+                                                            "integers); rebuild with lade-export build"),
+        (lambda d: d["model"].update(stop_token_ids=[True]), "manifest lacks model.stop_token_ids (a list of "
+                                                             "integers); rebuild with lade-export build"),
     ]
     import copy
 
