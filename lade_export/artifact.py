@@ -220,7 +220,7 @@ class Artifact:
             raise ArtifactError(f"{self.root} has no {MANIFEST}: not a lade-export build (run lade-export build)")
         try:
             self.manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: JSON syntax, huge ints
             raise ArtifactError(f"{path}: unreadable manifest: {err}") from None
         self.spec = Manifest.from_dict(self.manifest, where=path)
         mode = {True: "full", False: "none"}.get(verify, verify)

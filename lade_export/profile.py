@@ -273,6 +273,8 @@ def load_profile(path: str | Path) -> LookaheadProfile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ProfileError(f"{path}: TOML syntax error: {err}") from None
+    except (ValueError, RecursionError) as err:  # an integer over Python's digit limit, nesting too deep
+        raise ProfileError(f"{path}: unreadable TOML: {err}") from None
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ProfileError(f"{path}: unknown key(s) {', '.join(unknown)}; expected name, description, [lookahead]")

@@ -613,6 +613,30 @@ def test_hand_edited_manifests_are_refused_in_one_line(tmp_path, stories_artifac
         assert message in result.stderr
 
 
+def test_json_and_toml_beyond_the_parsers_limits_are_one_line(tmp_path, stories_artifact):
+    """A manifest nested deeper than the JSON parser recurses, or holding an integer longer
+    than Python converts (4,300 digits), and a profile TOML with such an integer: one line,
+    exit 2 (they were RecursionError / ValueError tracebacks)."""
+    deep = _copy_artifact(stories_artifact, tmp_path / "deep")
+    (deep / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    huge = _copy_artifact(stories_artifact, tmp_path / "huge")
+    text = (huge / "manifest.json").read_text()
+    (huge / "manifest.json").write_text(text.replace('"schema_version": 2', '"schema_version": ' + "9" * 5001, 1))
+    assert text != (huge / "manifest.json").read_text()
+    toml = tmp_path / "p.toml"
+    toml.write_text("[lookahead]\nwindow = " + "9" * 5001 + "\nngram = 2\nguesses = 1\n")
+    for command, message in (
+            (["inspect", deep], f"error: {deep / 'manifest.json'}: unreadable manifest: maximum recursion depth "
+                                "exceeded"),
+            (["inspect", huge], f"error: {huge / 'manifest.json'}: unreadable manifest: Exceeds the limit (4300 "
+                                "digits) for integer string conversion"),
+            (["generate", stories_artifact, "--prompt", "hi", "--profile", toml],
+             f"error: {toml}: unreadable TOML: Exceeds the limit (4300 digits) for integer string conversion")):
+        result = invoke(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(message), result.stderr
+
+
 def test_a_file_system_error_no_check_foresaw_is_one_line(tmp_path, stories_dir, monkeypatch):
     import lade_export.export.build as build_module
 

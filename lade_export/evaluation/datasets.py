@@ -65,8 +65,8 @@ def _records(path: Path):
                 if line.strip():
                     try:
                         yield json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise GenerationError(f"{path} line {number}: not JSON ({err.msg})") from None
+                    except (ValueError, RecursionError) as err:  # JSONDecodeError, huge ints, deep nesting
+                        raise GenerationError(f"{path} line {number}: not JSON ({getattr(err, 'msg', err)})") from None
     except (UnicodeDecodeError, OSError) as err:
         raise GenerationError(f"cannot read dataset {path}: {err}") from None
 

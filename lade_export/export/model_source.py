@@ -191,7 +191,7 @@ def _load_hf_dir(path: Path):
 
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: JSON syntax, bad UTF-8, huge ints
         raise ModelSourceError(f"{path / 'config.json'}: unreadable config: {err}") from None
     check_model_type(config, str(path / "config.json"))
     check_rope_type(config, str(path / "config.json"))
