@@ -991,6 +991,25 @@ def test_a_lade_artifact_without_its_library_is_refused(tmp_path, stories_lade):
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_library_that_is_not_loadable_here_is_one_line(tmp_path, stories_lade):
+    """A library whose checksums agree with the manifest but that this machine cannot load (not
+    an ELF file: another platform's build, a bad copy recorded as built): ONNX Runtime's one-line
+    refusal, exit 2, not the dynamic loader's OSError traceback."""
+    import hashlib
+    import json
+
+    copy = tmp_path / "copy"
+    shutil.copytree(stories_lade, copy)
+    junk = b"not a shared library\n" * 200
+    (copy / LIBRARY).write_bytes(junk)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["files"][LIBRARY] = {"sha256": hashlib.sha256(junk).hexdigest(), "bytes": len(junk)}
+    (copy / "manifest.json").write_text(json.dumps(m))
+    result = CliRunner().invoke(main, ["generate", str(copy), "--prompt", "Once", "--max-new-tokens", "4"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: ONNX Runtime cannot load {copy / LIBRARY}: invalid ELF header"]
+
+
 def test_a_damaged_library_is_refused_even_without_verification(tmp_path, stories_lade):
     """``verify=False`` skips the weights' checks, not the kernel library's: native code that is
     not the build's (here the same size, one byte changed; or truncated) is refused by name before

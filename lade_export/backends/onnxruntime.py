@@ -82,7 +82,12 @@ class OrtEngine:
                                               f"(installed: {ort.__version__}); pip install -U 'onnxruntime>=1.29'")
             from ..kernels import running_path
 
-            chosen = running_path(custom_ops, "int8")  # a $LADE_KERNELS_PATH it cannot honour: one line, here
+            try:
+                chosen = running_path(custom_ops, "int8")  # a $LADE_KERNELS_PATH it cannot honour: one line, here
+            except OSError as err:  # not a loadable library (not ELF, another platform's)
+                said = str(err).splitlines()[0]  # dlopen's "PATH: invalid ELF header": the path once
+                said = said.split(": ", 1)[1] if said.startswith(str(Path(custom_ops).resolve()) + ": ") else said
+                raise ArtifactError(f"ONNX Runtime cannot load {custom_ops}: {said}") from None
             if chosen.startswith("error: "):
                 raise BackendUnavailableError(chosen[len("error: "):])
             try:
