@@ -422,7 +422,7 @@ CASES = [
     ("triton-bad-name", lambda t, s, a: ["triton", a, "--out", t / "repo", "--name", "../x"], 2,
      "model name '../x' must be letters, digits, '.', '_' or '-' (it names a directory)"),
     ("triton-instances", lambda t, s, a: ["triton", a, "--out", t / "repo", "--instances", 0], 2,
-     "--instances must be ≥ 1, got 0"),
+     "Invalid value for '--instances': 0 is not in the range 1<=x<="),
     ("triton-no-engines", lambda t, s, a: ["triton", a, "--out", t / "repo", "--backend", "tensorrt"], 2,
      "has no TensorRT engines; build it with --engine tensorrt, or serve with --backend ort"),
     ("triton-limit", lambda t, s, a: ["triton", a, "--out", t / "repo", "--max-new-tokens-limit", 600], 2,
@@ -611,6 +611,38 @@ def test_hand_edited_manifests_are_refused_in_one_line(tmp_path, stories_artifac
         assert result.exit_code == 2, (command, result.output)
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
         assert message in result.stderr
+
+
+def test_option_values_that_could_never_work_are_refused_before_any_work(tmp_path, stories_artifact, stories_dir):
+    """Values a command used to take and then fail on (a traceback, a hang, a server that
+    refuses every request, an option silently ignored, a failed check that was bad input):
+    refused in one line, exit 2, before the command does anything."""
+    from lade_export.cli.common import MAX_THREADS
+
+    a, huge = stories_artifact, "99999999999999999999"
+    cases = [
+        (["generate", a, "--prompt", "hi", "--threads", 2 ** 31],
+         f"Invalid value for '--threads': 2147483648 is not in the range 1<=x<={MAX_THREADS}."),
+        (["build", "--model", stories_dir, "--out", tmp_path / "o", "--threads", huge],
+         f"Invalid value for '--threads': {huge} is not in the range 1<=x<={MAX_THREADS}."),
+        (["triton", a, "--out", tmp_path / "r", "--instances", huge],
+         f"Invalid value for '--instances': {huge} is not in the range 1<=x<={MAX_THREADS}."),
+        (["serve", a, "--kv-tokens", 1], "Invalid value for '--kv-tokens': 1 is not in the range x>=2."),
+        (["serve", a, "--host", ""], "Invalid value for '--host': must name an address (127.0.0.1, ::1; 0.0.0.0 for "
+                                     "every interface), got ''"),
+        (["serve", a, "--drain-timeout", "nan"], "Invalid value for '--drain-timeout': must be a number, not nan"),
+        (["check", a, "--max-abs", "nan"], "Invalid value for '--max-abs': must be a number, not nan"),
+        (["check", a, "--max-rel", -1], "Invalid value for '--max-rel': -1.0 is not in the range x>0."),
+        (_compare(tmp_path, a, "--profile", "small", "--profile", "small"),
+         "profile 'small' is given twice; each --profile needs its own name"),
+        (_compare(tmp_path, a, "--top-p", 0.5), "--top-p needs --temperature > 0 (without it decoding is greedy)"),
+    ]
+    for command, message in cases:
+        result = invoke(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.splitlines()[0].startswith(f"error: {message}"), (command, result.stderr)
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
 
 
 def test_json_and_toml_beyond_the_parsers_limits_are_one_line(tmp_path, stories_artifact):

@@ -15,7 +15,7 @@ import click
 
 from ..kernels import COMPUTE, KERNELS
 from ..profile import bundled_profile_names
-from .common import _artifact_dir, _artifact_out, _console, _profiles, main
+from .common import THREADS, _artifact_dir, _artifact_out, _console, _finite, _profiles, main
 
 
 @main.command()
@@ -26,7 +26,7 @@ from .common import _artifact_dir, _artifact_out, _console, _profiles, main
                    "(repeatable; the first is the artifact's default).")
 @_artifact_out
 @click.option("--force", is_flag=True, help="Replace --out if it exists (after the new build succeeds).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads for the parity check.")
+@click.option("--threads", type=THREADS, default=None, help="ONNX Runtime threads for the parity check.")
 @click.option("--engine", type=click.Choice(["onnx", "tensorrt"]), default="onnx", show_default=True,
               help="onnx: the ONNX graph for ONNX Runtime; tensorrt: also one TensorRT engine per profile.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
@@ -197,8 +197,10 @@ def export(source, out, force):
 
 @main.command()
 @_artifact_dir
-@click.option("--max-abs", type=float, default=1e-3, show_default=True, help="Bound on max |Δ| per output (float32).")
-@click.option("--max-rel", type=float, default=1e-5, show_default=True, help="Bound on max |Δ| / max |reference|.")
+@click.option("--max-abs", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True,
+              callback=_finite, help="Bound on max |Δ| per output (float32).")
+@click.option("--max-rel", type=click.FloatRange(min=0, min_open=True), default=1e-5, show_default=True,
+              callback=_finite, help="Bound on max |Δ| / max |reference|.")
 def check(artifact_dir, max_abs, max_rel):
     """Validate DIR: checksums, then ONNX Runtime (and TensorRT engines) vs the PyTorch
     reference on lookahead-shaped feeds, with Polygraphy's comparator."""

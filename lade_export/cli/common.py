@@ -142,9 +142,46 @@ _backend = click.option("--backend", type=click.Choice(BACKENDS), default="ort",
                         show_default=True)  # generate, compare, tune
 _device = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu",
                        show_default=True)  # generate, compare
-_engine_threads = click.option("--threads", type=click.IntRange(min=1), default=None,
+#: Most ``--threads`` a command takes: four per CPU this machine reports, at least 16. ONNX
+#: Runtime starts a thread for each; thousands take minutes to start, and past 2**31 its
+#: option overflows.
+MAX_THREADS = max(16, 4 * (os.cpu_count() or 1))
+THREADS = click.IntRange(min=1, max=MAX_THREADS)
+_engine_threads = click.option("--threads", type=THREADS, default=None,
                                help="Engine threads (default: one per core).")  # generate, serve
-_threads = click.option("--threads", type=click.IntRange(min=1), default=None)  # compare, tune
+_threads = click.option("--threads", type=THREADS, default=None)  # compare, tune
+
+
+def _finite(ctx, param, value):
+    """Click callback: a float option's value must be a number (not NaN; ±inf where the range allows it)."""
+    if value is not None and value != value:
+        raise click.BadParameter("must be a number, not nan")
+    return value
+
+
+def _address(ctx, param, value):
+    """Click callback: ``--host`` must name an address (an empty one would listen on every interface)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must name an address (127.0.0.1, ::1; 0.0.0.0 for every interface), got ''")
+    return value
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, seed=None, seed_off=None):
+    """The sampling options as :class:`lade_export.sampling.SamplingParams`, refusing an option
+    only sampling reads when decoding is greedy (temperature 0) — it would be ignored.
+
+    Raises:
+        GenerationError: ``--top-k``, ``--top-p`` (or ``--seed``, when ``seed_off`` is not its
+            value) given without ``--temperature > 0``; a value SamplingParams refuses.
+    """
+    from ..errors import GenerationError
+    from ..sampling import SamplingParams
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    for option, value, off in (("--top-k", top_k, 0), ("--top-p", top_p, 1.0), ("--seed", seed, seed_off)):
+        if sampling.greedy and value != off:
+            raise GenerationError(f"{option} needs --temperature > 0 (without it decoding is greedy)")
+    return sampling
 _token_budget = click.option("--token-budget", type=click.IntRange(min=1), default=None,
                              help="Scheduler: rows of a pass that holds decode steps (default 64).")  # triton, serve
 _width_policy = click.option("--width-policy", type=click.Choice(["adaptive", "profile"]), default=None,
@@ -156,7 +193,7 @@ _width_policy = click.option("--width-policy", type=click.Choice(["adaptive", "p
 def _kv_tokens(help: str):
     """``--kv-tokens`` of triton and serve: the same option; its help names each command's
     own request limit."""
-    return click.option("--kv-tokens", type=click.IntRange(min=1), default=None, help=help)
+    return click.option("--kv-tokens", type=click.IntRange(min=2), default=None, help=help)  # a prompt token and a new one
 
 
 @click.group(cls=_Group, name="lade-export")  # the name click's test runner gives the program

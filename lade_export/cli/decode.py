@@ -10,7 +10,7 @@ import click
 
 from ..backends import DTYPES
 from ..errors import ArtifactError, GenerationError
-from .common import _artifact_dir, _backend, _device, _engine_threads, main
+from .common import _artifact_dir, _backend, _device, _engine_threads, _sampling, main
 
 
 def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
@@ -87,14 +87,10 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     sampled: the text streams to stdout, the statistics go to stderr."""
     from ..api import load
     from ..profile import GREEDY
-    from ..sampling import SamplingParams
 
     if greedy and temperature > 0:
         raise GenerationError("--greedy means temperature 0; drop it to sample with --temperature")
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    for option, value, off in (("--top-k", top_k, 0), ("--top-p", top_p, 1.0), ("--seed", seed, None)):
-        if sampling.greedy and value != off:
-            raise GenerationError(f"{option} needs --temperature > 0 (without it decoding is greedy)")
+    sampling = _sampling(temperature, top_k, top_p, seed)
     if check_greedy and not sampling.greedy:
         raise GenerationError("--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0")
     if profile_value is not None and (greedy or not lookahead):

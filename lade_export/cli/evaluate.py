@@ -11,8 +11,9 @@ import click
 
 from ..backends import DTYPES
 from ..errors import GenerationError, ProfileError
-from ..profile import bundled_profiles_dir, resolve_profile
-from .common import _artifact_dir, _backend, _device, _load, _threads, _writable_beside, _writable_folder, main
+from ..profile import bundled_profiles_dir
+from .common import (_artifact_dir, _backend, _device, _load, _profiles, _sampling, _threads, _writable_beside,
+                     _writable_folder, main)
 
 
 @main.command()
@@ -59,9 +60,8 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
     from ..evaluation.compare import environment, open_extra_engines, run_compare, summarize, write_outputs
     from ..evaluation.datasets import load_prompts
     from ..errors import CheckFailedError
-    from ..sampling import SamplingParams
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    sampling = _sampling(temperature, top_k, top_p, seed, seed_off=seed)  # --seed: SEED + i whatever the decoding
     if out.exists() and not out.is_dir():
         raise GenerationError(f"--out {out} exists and is not a folder; give a folder for the results")
     if any(p.startswith("llama.cpp") for p in peers):  # bad llama.cpp setup fails before any work
@@ -73,7 +73,7 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
             check_gguf(llama_gguf)
     model = _load(artifact_dir, backend, device, dtype, threads)
     artifact, tokenizer, decoder = model.artifact, model.tokenizer, model.decoder
-    profiles = [resolve_profile(v) for v in profile_values] if profile_values else artifact.profiles()
+    profiles = _profiles(profile_values) if profile_values else artifact.profiles()
     for profile in profiles:
         profile.check_fits(artifact.max_context)
     chat = artifact.has_chat_template

@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from ..errors import ProfileError
-from .common import (_artifact_dir, _engine_threads, _kv_tokens, _token_budget, _width_policy, _writable_folder,
-                     main)
+from .common import (MAX_THREADS, _address, _artifact_dir, _engine_threads, _finite, _kv_tokens, _token_budget,
+                     _width_policy, _writable_folder, main)
 
 
 @main.command()
@@ -19,7 +19,7 @@ from .common import (_artifact_dir, _engine_threads, _kv_tokens, _token_budget, 
 @click.option("--out", "repository", required=True, type=click.Path(path_type=Path), callback=_writable_folder,
               help="Triton model repository (created if missing; other models in it are kept).")
 @click.option("--name", default=None, help="Model name (default: from the artifact's source model).")
-@click.option("--instances", type=int, default=1, show_default=True,
+@click.option("--instances", type=click.IntRange(min=1, max=MAX_THREADS), default=1, show_default=True,
               help="Model instances (one Triton stub process each; per GPU with --device cuda).")
 @click.option("--profile", "profile_values", multiple=True,
               help="Profile clients may name (repeatable; the first is the default; default: the artifact's). "
@@ -39,7 +39,7 @@ from .common import (_artifact_dir, _engine_threads, _kv_tokens, _token_budget, 
 @_kv_tokens(help="Scheduler: most tokens an instance's KV pool holds over its requests (default: "
                  "max-concurrent-requests x the model's context).")
 @_width_policy
-@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--threads", type=click.IntRange(min=0, max=MAX_THREADS), default=0, show_default=True,
               help="Engine threads per instance (0: the engine's default).")
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository instead of referencing it.")
 @click.option("--artifact-path", default=None, help="The artifact's path as the server sees it (a mounted volume).")
@@ -64,7 +64,7 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
 
 @main.command()
 @_artifact_dir
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default="127.0.0.1", show_default=True, callback=_address,
               help="Address to listen on (localhost only unless told otherwise; 0.0.0.0 for every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="TCP port (0: a free one, printed at start).")
@@ -82,7 +82,7 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
               help="Largest max_tokens a request may ask (also the default, capped by the context left).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True,
               help="Largest request body (413 beyond).")
-@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, callback=_finite,
               help="On SIGTERM, seconds the requests in flight may take to finish before they are cancelled "
                    "(each stream then ends with a server_shutdown error event, other requests get a 503).")
 @_token_budget
