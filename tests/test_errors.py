@@ -421,6 +421,8 @@ CASES = [
      "it is not a model written by lade-export triton (no lade_export.json)"),
     ("triton-bad-name", lambda t, s, a: ["triton", a, "--out", t / "repo", "--name", "../x"], 2,
      "model name '../x' must be letters, digits, '.', '_' or '-' (it names a directory)"),
+    ("triton-out-is-a-file", lambda t, s, a: ["triton", a, "--out", _jsonl(t, "")], 2,
+     "is a file; give the model repository's folder (created if missing)"),
     ("triton-instances", lambda t, s, a: ["triton", a, "--out", t / "repo", "--instances", 0], 2,
      "Invalid value for '--instances': 0 is not in the range 1<=x<="),
     ("triton-no-engines", lambda t, s, a: ["triton", a, "--out", t / "repo", "--backend", "tensorrt"], 2,
@@ -643,6 +645,26 @@ def test_option_values_that_could_never_work_are_refused_before_any_work(tmp_pat
         assert result.stderr.splitlines()[0].startswith(f"error: {message}"), (command, result.stderr)
         assert len(result.stderr.splitlines()) == 1, result.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
+def test_check_of_a_graph_onnx_runtime_rejects_is_one_line(tmp_path, stories_artifact):
+    """A model.onnx ONNX Runtime cannot parse (cut short; its checksum recorded, as a build that
+    wrote it broken would leave it): check says so in generate's one line, not with Polygraphy's
+    InvalidProtobuf traceback."""
+    import hashlib
+
+    a = _copy_artifact(stories_artifact, tmp_path)
+    cut = (a / "model.onnx").read_bytes()[:1000]
+    (a / "model.onnx").write_bytes(cut)
+    m = json.loads((a / "manifest.json").read_text())
+    m["files"]["model.onnx"] = {"sha256": hashlib.sha256(cut).hexdigest(), "bytes": len(cut)}
+    (a / "manifest.json").write_text(json.dumps(m))
+    for command in (["generate", a, "--prompt", "hi"], ["check", a]):
+        result = invoke(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert len(result.stderr.splitlines()) == 1
+        assert result.stderr.startswith(f"error: ONNX Runtime cannot load {a / 'model.onnx'}: [ONNXRuntimeError] : "
+                                        "7 : INVALID_PROTOBUF"), result.stderr
 
 
 def test_json_and_toml_beyond_the_parsers_limits_are_one_line(tmp_path, stories_artifact):

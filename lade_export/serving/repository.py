@@ -145,11 +145,13 @@ def write_model_repository(artifact_dir, repository, *, name: str | None = None,
         ArtifactError: the artifact is missing or damaged; ``<name>`` exists (without
             ``force``) or was not written by this command.
         ProfileError: a profile is invalid or does not fit the model's context.
-        ServingError: a bad name, instance count, limit, backend/device combination,
+        ServingError: ``repository`` is a file; a bad name, instance count, limit, backend/device combination,
             ``artifact_path`` together with ``copy_artifact``, or ``token_budget`` /
             ``kv_tokens`` / ``width_policy`` without batching, or an unknown ``width_policy``.
     """
     artifact = Artifact(artifact_dir)
+    if Path(repository).exists() and not Path(repository).is_dir():
+        raise ServingError(f"--out {repository} is a file; give the model repository's folder (created if missing)")
     name = name or default_model_name(artifact)
     if not _NAME.match(name):
         raise ServingError(f"model name {name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
