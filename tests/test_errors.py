@@ -709,6 +709,23 @@ def test_a_dry_run_does_not_probe_its_out_folder(stories_dir):
     assert result.stdout.splitlines()[-1] == "nothing was written"
 
 
+def test_a_dry_run_refuses_what_the_build_refuses_once_it_has_the_model(tmp_path, stories_dir):
+    """The checks that need the model (its hidden size, head width and context) run in a dry
+    run too, with the build's messages; an accepted dry run names the attention it would export."""
+    for options, message in (
+            (["--precision", "int4", "--block-size", 128], "--block-size 128 does not divide the model's hidden size "
+                                                           "64; give a power of two ≥ 16 that does (e.g. 32)"),
+            (["--attention", "group-query-attention"], "--attention group-query-attention needs a head width that is "
+                                                       "a multiple of 16 (ONNX Runtime's kernel); this model's is 8: "
+                                                       "use --attention onnx-ops")):
+        result = invoke("build", "--model", stories_dir, "--out", tmp_path / "o", "--dry-run", *options)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"error: {message}"]
+    result = invoke("build", "--model", stories_dir, "--out", tmp_path / "o", "--dry-run")
+    assert result.exit_code == 0 and "attention: onnx-ops" in result.stdout.splitlines()
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_cleanup_that_fails_after_an_interrupt_still_exits_130(tmp_path, stories_dir, monkeypatch):
     import lade_export.export.build as build_module
 

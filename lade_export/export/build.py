@@ -207,12 +207,13 @@ def dry_run(source: str, profiles, out: str | Path, options: BuildOptions, heade
     options.check(profiles)
     step = DecoderStep(load_model(source).model)
     dims = step.dims
+    attention = options.attention_for(dims)  # the build's checks that need the model, its messages
     notes = (step.rope.reason,) if step.rope.reason else ()
     for profile in profiles:
         profile.check_fits(dims.max_context)
     library = (", kernels/liblade_kernels.so (compiled" + ("" if headers_at_hand else "; ONNX Runtime's headers "
                "downloaded first, ~150 MB") + ")") if options.kernels == "lade" else ""
-    lines = [f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json{library}"]
+    lines = [f"dry run: would write {out}/model.onnx, tokenizer/, manifest.json{library}", f"attention: {attention}"]
     if options.tensorrt:
         from ..backends.tensorrt_install import SUPPORTED_MAJORS, installed_tensorrt_major
         from .tensorrt_build import describe_precision_plan, precision_plan
