@@ -153,3 +153,43 @@ def test_two_concurrent_builds_one_wins_and_the_result_is_complete(tmp_path, sto
     art = Artifact(out)
     assert art.manifest["profiles"][0]["name"] in ("small", "default")
     assert sorted(os.listdir(tmp_path)) == ["same"]
+
+
+def _compilers_for(path_part: str) -> list[int]:
+    """PIDs of processes whose command line mentions ``path_part`` and that run a compiler."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if path_part in cmd and any(name in cmd for name in ("cc1plus", "g++", "c++", " as ")):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_build_alone_during_the_kernels_compile_ends_the_compiler_too(tmp_path, stories_dir, sig):
+    """SIGINT or SIGTERM sent to the build's process alone (not its group) while it compiles the
+    lade kernels: the build exits 130 with its one line and nothing written, and no compiler
+    process it started keeps running (the driver's cc1plus was left compiling)."""
+    from lade_export.kernels import find_compiler
+
+    try:
+        find_compiler()
+    except Exception as err:
+        pytest.skip(f"no compiler: {err}")
+    out = tmp_path / "art"
+    proc = start_build("--model", stories_dir, "--precision", "int8", "--kernels", "lade", "--out", out)
+    try:
+        wait_for(lambda: any("cc1plus" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                             for pid in _compilers_for(str(tmp_path))), what="the kernels' compiler to start")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted; nothing was written"
+    wait_for(lambda: not _compilers_for(str(tmp_path)), timeout=2, what="the compiler processes to end")
+    assert os.listdir(tmp_path) == []

@@ -350,6 +350,54 @@ def running_path(path: str | Path, compute: str) -> str:
         return "not reported (a library built before the integer path: avx512 or portable)"
 
 
+def _run_compiler(command: list) -> tuple[int, str]:
+    """Run the compiler and return ``(exit status, stderr)``. When the wait is interrupted
+    (SIGINT or SIGTERM sent to this process alone: a KeyboardInterrupt here) the processes
+    the driver started (``cc1plus``, ``as``) are ended before the driver itself: ending the
+    driver alone would leave them compiling. The compiler stays in this process group, so a
+    signal to the whole group (a terminal's Ctrl-C) reaches it as before."""
+    import signal
+
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    return proc.returncode, stderr
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes descended from ``pid``, deepest first, read from Linux's ``/proc``
+    (elsewhere none)."""
+    parent_of = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent_of[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parent_of.items() if parent in frontier]
+        found += frontier
+    return found[::-1]
+
+
 def compile_library(dest: str | Path) -> Path:
     """Compile ``block_quant_ops.cc`` into the shared library ``dest`` (written to a
     temporary name, then renamed). Takes ~10 s.
@@ -365,15 +413,16 @@ def compile_library(dest: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".compiling-", suffix=".so", dir=dest.parent)
     os.close(fd)
     # -ffp-contract=off: no FMA the source does not write, so every path's float epilogue is the same
+    # -pipe: the stages pass the assembly through pipes, so an interrupted compile leaves no /tmp/cc*.s
     command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off",
-               "-Wno-maybe-uninitialized",
+               "-Wno-maybe-uninitialized", "-pipe",
                f"-I{include}", str(SOURCE), "-o", tmp]
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+        returncode, stderr = _run_compiler(command)
+        if returncode:
+            first = next((line for line in stderr.splitlines() if "error" in line), stderr.strip()[:200])
             raise BackendUnavailableError(f"compiling the lade kernels failed: "
-                                          f"{first or f'{compiler} exited with status {done.returncode}, printing nothing'}")
+                                          f"{first or f'{compiler} exited with status {returncode}, printing nothing'}")
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
