@@ -314,8 +314,9 @@ class Scheduler:
         if rotary is not None:  # GroupQueryAttention: a pass's key length ≤ the rotary table's rows
             limit = min(limit, dims.max_context + rotary - max(token_budget, prefill_chunk, rotary))
         if kv_tokens is not None:
-            if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
-                raise GenerationError(f"kv_tokens must be an integer ≥ 1, got {kv_tokens!r}")
+            if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 2:
+                # fewer than 2 holds no request: a prompt token and one new token
+                raise GenerationError(f"kv_tokens must be an integer ≥ 2, got {kv_tokens!r}")
             limit = min(limit, kv_tokens) if rotary is not None else kv_tokens
         self.kv_tokens = limit
         layout = self.engine.kv_layout

@@ -132,9 +132,12 @@ class Tokenizer:
             raise GenerationError("this model has no chat template; pass plain text (--no-chat)")
         from jinja2 import TemplateError
 
+        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt, **self.special_tokens}
+        clash = sorted(set(extra) & set(variables))
+        if clash:  # the caller's mistake, not the template's (raised before the template runs)
+            raise TypeError(f"render_chat() got values for {', '.join(clash)}, which the tokenizer sets itself")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **extra)
+            return self._template.render(**variables, **extra)
         except TemplateError as err:
             raise GenerationError(f"chat template: {err}") from None
         except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as err:

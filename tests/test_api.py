@@ -359,6 +359,9 @@ def test_a_chat_template_that_fails_while_rendering_is_one_error(stories_dir):
         with pytest.raises(GenerationError) as err:
             ours.apply_chat_template([{"role": "user", "content": "hi"}])
         assert str(err.value) == message
+    ours = Tokenizer(stories_dir / "tokenizer.json", "{{ bos_token }}", {"bos_token": "<s>"}, None)
+    with pytest.raises(TypeError, match="got values for bos_token, which the tokenizer sets itself"):
+        ours.apply_chat_template([{"role": "user", "content": "hi"}], bos_token="<x>")  # the caller's mistake
 
 
 def test_readme_python_example_runs_as_written(stories_artifact, tmp_path):

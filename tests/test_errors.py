@@ -628,7 +628,7 @@ def test_option_values_that_could_never_work_are_refused_before_any_work(tmp_pat
         (["build", "--model", stories_dir, "--out", tmp_path / "o", "--threads", huge],
          f"Invalid value for '--threads': {huge} is not in the range 1<=x<={MAX_THREADS}."),
         (["triton", a, "--out", tmp_path / "r", "--instances", huge],
-         f"Invalid value for '--instances': {huge} is not in the range 1<=x<={MAX_THREADS}."),
+         f"Invalid value for '--instances': {huge} is not in the range 1<=x<=1024."),
         (["serve", a, "--kv-tokens", 1], "Invalid value for '--kv-tokens': 1 is not in the range x>=2."),
         (["serve", a, "--host", ""], "Invalid value for '--host': must name an address (127.0.0.1, ::1; 0.0.0.0 for "
                                      "every interface), got ''"),

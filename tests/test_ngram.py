@@ -185,6 +185,7 @@ def test_history_index_grown_in_pieces_keeps_each_ngrams_latest_ends():
                 lookups += 1
     assert lookups > 20
 
+
 def test_history_lookup_min_match_drops_weaker_suffix_matches():
     prompt = [1, 7, 8, 9, 10, 11, 2, 5, 8]  # (5, 8) never occurred before; 8 alone did, followed by 9, 10
     weak = LookaheadState(LookaheadProfile(0, 2, 0, lookup=4), vocab=50, prompt_ids=prompt)

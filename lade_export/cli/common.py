@@ -162,7 +162,7 @@ def _finite(ctx, param, value):
 def _address(ctx, param, value):
     """Click callback: ``--host`` must name an address (an empty one would listen on every interface)."""
     if value is not None and not value.strip():
-        raise click.BadParameter("must name an address (127.0.0.1, ::1; 0.0.0.0 for every interface), got ''")
+        raise click.BadParameter(f"must name an address (127.0.0.1, ::1; 0.0.0.0 for every interface), got {value!r}")
     return value
 
 
@@ -182,6 +182,8 @@ def _sampling(temperature: float, top_k: int, top_p: float, seed=None, seed_off=
         if sampling.greedy and value != off:
             raise GenerationError(f"{option} needs --temperature > 0 (without it decoding is greedy)")
     return sampling
+
+
 _token_budget = click.option("--token-budget", type=click.IntRange(min=1), default=None,
                              help="Scheduler: rows of a pass that holds decode steps (default 64).")  # triton, serve
 _width_policy = click.option("--width-policy", type=click.Choice(["adaptive", "profile"]), default=None,

@@ -71,9 +71,10 @@ def compare(artifact_dir, profile_values, datasets, limit, max_new_tokens, peers
         find_llama_cpp(llama_cpp)
         if llama_gguf is not None:
             check_gguf(llama_gguf)
+    named = _profiles(profile_values) if profile_values else None  # checked before the model loads
     model = _load(artifact_dir, backend, device, dtype, threads)
     artifact, tokenizer, decoder = model.artifact, model.tokenizer, model.decoder
-    profiles = _profiles(profile_values) if profile_values else artifact.profiles()
+    profiles = named or artifact.profiles()
     for profile in profiles:
         profile.check_fits(artifact.max_context)
     chat = artifact.has_chat_template

@@ -10,8 +10,14 @@ from pathlib import Path
 import click
 
 from ..errors import ProfileError
-from .common import (MAX_THREADS, _address, _artifact_dir, _engine_threads, _finite, _kv_tokens, _token_budget,
+from .common import (_address, _artifact_dir, _engine_threads, _finite, _kv_tokens, _token_budget,
                      _width_policy, _writable_folder, main)
+
+
+#: Most ``--instances`` and ``--threads`` triton writes: a fixed bound (the repository is served
+#: on another machine, whose CPUs and GPUs this one does not know) that stops typos before
+#: Triton's int32 instance count or ONNX Runtime's thread option overflow.
+TRITON_MOST = 1024
 
 
 @main.command()
@@ -19,7 +25,7 @@ from .common import (MAX_THREADS, _address, _artifact_dir, _engine_threads, _fin
 @click.option("--out", "repository", required=True, type=click.Path(path_type=Path), callback=_writable_folder,
               help="Triton model repository (created if missing; other models in it are kept).")
 @click.option("--name", default=None, help="Model name (default: from the artifact's source model).")
-@click.option("--instances", type=click.IntRange(min=1, max=MAX_THREADS), default=1, show_default=True,
+@click.option("--instances", type=click.IntRange(min=1, max=TRITON_MOST), default=1, show_default=True,
               help="Model instances (one Triton stub process each; per GPU with --device cuda).")
 @click.option("--profile", "profile_values", multiple=True,
               help="Profile clients may name (repeatable; the first is the default; default: the artifact's). "
@@ -39,7 +45,7 @@ from .common import (MAX_THREADS, _address, _artifact_dir, _engine_threads, _fin
 @_kv_tokens(help="Scheduler: most tokens an instance's KV pool holds over its requests (default: "
                  "max-concurrent-requests x the model's context).")
 @_width_policy
-@click.option("--threads", type=click.IntRange(min=0, max=MAX_THREADS), default=0, show_default=True,
+@click.option("--threads", type=click.IntRange(min=0, max=TRITON_MOST), default=0, show_default=True,
               help="Engine threads per instance (0: the engine's default).")
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository instead of referencing it.")
 @click.option("--artifact-path", default=None, help="The artifact's path as the server sees it (a mounted volume).")

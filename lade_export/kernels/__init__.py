@@ -362,6 +362,8 @@ def _run_compiler(command: list) -> tuple[int, str]:
     try:
         _, stderr = proc.communicate()
     except BaseException:
+        if proc.poll() is not None:  # already reaped (the interrupt came as it ended): its PID may be another's now
+            raise
         for pid in [*_descendants(proc.pid), proc.pid]:
             try:
                 os.kill(pid, signal.SIGTERM)
