@@ -179,6 +179,13 @@ def _foreign_model(tmp):
 CASES = [
     ("model-missing-path", lambda t, s, a: ["build", "--model", "/nonexistent/model", "--out", t / "o"], 2,
      "model path not found: /nonexistent/model"),
+    ("generate-greedy-with-lookahead", lambda t, s, a: ["generate", a, "--prompt", "hi", "--greedy", "--lookahead"], 2,
+     "--greedy means plain greedy decoding, without lookahead; drop --lookahead (lookahead with temperature 0 is "
+     "the default)"),
+    ("model-empty", lambda t, s, a: ["build", "--model", "", "--out", t / "o"], 2,
+     "--model is empty; give a model directory, a .gguf file, a hub id or smollm2-135m-instruct"),
+    ("model-not-regular-file", lambda t, s, a: ["build", "--model", "/dev/null", "--out", t / "o"], 2,
+     "/dev/null is not a regular file (give a model directory, a .gguf file or a hub id)"),
     ("model-no-config", lambda t, s, a: ["build", "--model", _model_dir(t), "--out", t / "o"], 2,
      "has no config.json: not a Hugging Face model directory"),
     ("model-not-llama", lambda t, s, a: ["build", "--model", _model_dir(t, {"model_type": "gpt2"}), "--out", t / "o"], 2,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ..backends import DTYPES
 from ..errors import ArtifactError, GenerationError
@@ -90,6 +91,10 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
 
     if greedy and temperature > 0:
         raise GenerationError("--greedy means temperature 0; drop it to sample with --temperature")
+    if greedy and click.get_current_context().get_parameter_source("lookahead") == ParameterSource.COMMANDLINE \
+            and lookahead:
+        raise GenerationError("--greedy means plain greedy decoding, without lookahead; drop --lookahead (lookahead "
+                              "with temperature 0 is the default)")
     sampling = _sampling(temperature, top_k, top_p, seed)
     if check_greedy and not sampling.greedy:
         raise GenerationError("--check-greedy compares greedy outputs; it cannot be combined with --temperature > 0")

@@ -81,11 +81,15 @@ def classify_source(source: str) -> tuple[str, Path | str]:
     """
     if source == SMOLLM2_NAME:
         return "builtin", builtin_smollm2_path()
+    if not source.strip():  # Path("") is the working directory
+        raise ModelSourceError(f"--model is empty; give a model directory, a .gguf file, a hub id or {SMOLLM2_NAME}")
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
         return "hf-dir", path
+    if path.exists() and not path.is_file():  # a device, a pipe, a socket
+        raise ModelSourceError(f"{path} is not a regular file (give a model directory, a .gguf file or a hub id)")
     if path.is_file():
         with open(path, "rb") as fh:
             magic = fh.read(4)
