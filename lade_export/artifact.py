@@ -99,12 +99,15 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
     Raises:
         ArtifactError: ``out`` exists and ``force`` is false; ``out`` exists but is not a
             lade-export build (``force`` never deletes anything else); ``out`` is empty,
-            the working or home directory; or another build holds the lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
+            a dangling symbolic link, the working or home directory; or another build holds the lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
             temporary directory is removed and ``out`` is left as it was.
         KeyboardInterrupt: SIGINT or SIGTERM (above).
     """
     if not str(out).strip():
         raise ArtifactError("--out is empty; give the artifact directory to create")
+    if Path(out).is_symlink() and not Path(out).exists():  # resolving it would build at its target, parents made
+        raise ArtifactError(f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist; give a new "
+                            "directory (or the link's target)")
     out = Path(out).resolve()
     if out == Path.cwd().resolve() or out == Path.home().resolve() or out.parent == out:
         raise ArtifactError(f"refusing to build into {out}: give a new directory for --out")

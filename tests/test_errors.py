@@ -108,6 +108,13 @@ def _not_a_build(tmp):
     return d
 
 
+def _dangling(tmp):
+    """A symbolic link to a path (two folders deep) that does not exist."""
+    link = tmp / "link"
+    link.symlink_to(tmp / "missing" / "deep" / "target")
+    return link
+
+
 def _jsonl(tmp, text):
     f = tmp / "prompts.jsonl"
     f.write_text(text)
@@ -318,6 +325,8 @@ CASES = [
      "inline profile '1.5,3,2' must be 3 to 5 comma-separated integers: W,N,G[,K[,B]]"),
     ("check-weights-size", lambda t, s, a: ["check", _grow(t, a, "model.onnx")], 2,
      "size mismatch for model.onnx: "),
+    ("build-out-dangling-symlink", lambda t, s, a: ["build", "--model", s, "--out", _dangling(t)], 2,
+     "is a symbolic link to "),
     ("build-block-size", lambda t, s, a: ["build", "--model", s, "--precision", "int4", "--block-size", 128,
                                           "--out", t / "o"], 2,
      "--block-size 128 does not divide the model's hidden size 64; give a power of two ≥ 16 that does (e.g. 32)"),
