@@ -663,6 +663,18 @@ def test_option_values_that_could_never_work_are_refused_before_any_work(tmp_pat
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
 
 
+def test_inspect_shows_a_hand_edited_graph_list_as_it_is(tmp_path, stories_artifact):
+    """A manifest whose graph lists no inputs or outputs (a hand edit; decoding does not read
+    them) is shown as it is by inspect, without the cache rows it lacks (a KeyError before)."""
+    for key in ("inputs", "outputs"):
+        a = _edited_manifest(tmp_path / key, stories_artifact, lambda m: m["graph"].update({key: []}))
+        result = invoke("inspect", a)
+        assert result.exit_code == 0, result.output
+        cache = "past_key_values.{0.." if key == "inputs" else "present.{0.."
+        other = "present.{0.." if key == "inputs" else "past_key_values.{0.."
+        assert cache not in result.stdout and other in result.stdout
+
+
 def test_check_of_a_graph_onnx_runtime_rejects_is_one_line(tmp_path, stories_artifact):
     """A model.onnx ONNX Runtime cannot parse (cut short; its checksum recorded, as a build that
     wrote it broken would leave it): check says so in generate's one line, not with Polygraphy's

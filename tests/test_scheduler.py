@@ -302,6 +302,16 @@ def test_bad_requests_and_options_are_refused_in_one_line(stories_decoder, refer
         scheduler.stream(ids, 8)
 
 
+def test_a_kv_pool_that_could_hold_no_request_is_refused(stories_decoder):
+    """``kv_tokens`` below 2 (a prompt token and one new token) would make a scheduler that
+    refuses every request: refused at construction, as the CLI's --kv-tokens is."""
+    for value in (1, 0, True, 2.5):
+        with pytest.raises(GenerationError) as err:
+            Scheduler(stories_decoder, kv_tokens=value)
+        assert str(err.value) == f"kv_tokens must be an integer ≥ 2, got {value!r}"
+    assert Scheduler(stories_decoder, kv_tokens=2).kv_tokens == 2
+
+
 def test_requests_wait_for_room_in_the_kv_pool(stories_decoder, reference_greedy, solo):
     ids = reference_greedy["cases"][0]["prompt_ids"]
     scheduler = Scheduler(stories_decoder, kv_tokens=len(ids) + 100)  # one request at a time fits
