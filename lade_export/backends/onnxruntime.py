@@ -17,6 +17,16 @@ from ..specs import ModelDims, past_key_name, past_value_name, present_key_name,
 KEPT_BINDINGS = 16
 
 
+def cannot_load(path: str | Path, err: BaseException) -> ArtifactError:
+    """The one-line refusal of a file that ONNX Runtime (or the dynamic loader, for a custom-op
+    library) could not load: ``ONNX Runtime cannot load PATH: REASON``, REASON the first line
+    of ``err``'s message with a leading ``PATH: `` (dlopen's form) dropped, so the path is
+    said once. Returned, for the caller to raise."""
+    said = str(err).splitlines()[0]
+    said = said.split(": ", 1)[1] if said.startswith(str(Path(path).resolve()) + ": ") else said
+    return ArtifactError(f"ONNX Runtime cannot load {path}: {said}")
+
+
 class OrtEngine:
     """Runs the step graph with ONNX Runtime.
 
@@ -85,15 +95,13 @@ class OrtEngine:
             try:
                 chosen = running_path(custom_ops, "int8")  # a $LADE_KERNELS_PATH it cannot honour: one line, here
             except OSError as err:  # not a loadable library (not ELF, another platform's)
-                said = str(err).splitlines()[0]  # dlopen's "PATH: invalid ELF header": the path once
-                said = said.split(": ", 1)[1] if said.startswith(str(Path(custom_ops).resolve()) + ": ") else said
-                raise ArtifactError(f"ONNX Runtime cannot load {custom_ops}: {said}") from None
+                raise cannot_load(custom_ops, err) from None
             if chosen.startswith("error: "):
                 raise BackendUnavailableError(chosen[len("error: "):])
             try:
                 options.register_custom_ops_library(str(custom_ops))
             except Exception as err:
-                raise ArtifactError(f"ONNX Runtime cannot load {custom_ops}: {str(err).splitlines()[0]}") from None
+                raise cannot_load(custom_ops, err) from None
         if threads:
             options.intra_op_num_threads = threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -109,7 +117,7 @@ class OrtEngine:
         try:
             self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as err:  # ORT raises its own Fail/InvalidGraph types
-            raise ArtifactError(f"ONNX Runtime cannot load {path}: {str(err).splitlines()[0]}") from None
+            raise cannot_load(path, err) from None
         self.dims = dims
         self._all_outputs = [o.name for o in self.session.get_outputs()]
         self._fast_outputs = [n for n in self._all_outputs if n != "logits"]

@@ -28,7 +28,6 @@ from collections import OrderedDict
 import numpy as np
 
 from ..artifact import Artifact, checksum_errors  # noqa: F401  (checksum_errors: part of this module's API)
-from ..errors import ArtifactError
 from .parity import PARITY_MAX_ABS, PARITY_MAX_REL
 
 
@@ -184,10 +183,12 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     output_names = [o.name for o in artifact.spec.graph.outputs]
     input_specs = [t.as_dict() for t in artifact.spec.graph.inputs]
     if artifact.kv_layout == "sequence-major" and artifact.custom_ops_path is None:
+        from ..backends.onnxruntime import cannot_load
+
         try:  # loaded here, so that a graph ONNX Runtime rejects is the one line generate gives too
             session = SessionFromOnnx(str(artifact.onnx_path))()
         except Exception as err:  # ORT raises its own InvalidProtobuf/Fail types
-            raise ArtifactError(f"ONNX Runtime cannot load {artifact.onnx_path}: {str(err).splitlines()[0]}") from None
+            raise cannot_load(artifact.onnx_path, err) from None
         ort_runner = OnnxrtRunner(session, name="onnxruntime")
     else:  # a shared cache buffer per tensor (fed through the layout converter), or custom ops
         from ..backends.onnxruntime import OrtEngine
