@@ -240,8 +240,27 @@ class Artifact:
         Raises:
             ArtifactError: naming the first missing, resized or mismatching file.
         """
+        self._check_listed()
         for name, entry in self.spec.files.items():
             self._verify_file(name, entry, hashes and (full or entry.bytes <= QUICK_HASH_LIMIT))
+
+    def _check_listed(self) -> None:
+        """Every file the manifest names (the graph, its weights, the tokenizer's files, the
+        TensorRT plans) is one of its ``files``: a hand-edited ``files`` that leaves one out
+        would leave that file unchecked.
+
+        Raises:
+            ArtifactError: naming the first file ``files`` lacks and the key that names it.
+        """
+        spec = self.spec
+        named = [("graph.file", spec.graph.file), ("graph.external_data", spec.graph.external_data),
+                 ("tokenizer.file", spec.tokenizer.file)]
+        named += [("tokenizer.files", name) for name in spec.tokenizer.files]
+        named += [(f"engines[{i}].file", e.file) for i, e in enumerate(spec.engines)]
+        for key, name in named:
+            if name is not None and name not in spec.files:
+                raise ArtifactError(f"{self.root / MANIFEST}: {key} {name!r} is not among the manifest's files, "
+                                    "so it could not be checked; rebuild with lade-export build")
 
     def _verify_file(self, name: str, entry, digest: bool) -> None:
         """One listed file: present, of its recorded size and (``digest``) its recorded sha256."""

@@ -242,6 +242,10 @@ CASES = [
     ("artifact-manifest-wrong-kind", lambda t, s, a: ["generate", _edited_manifest(
         t, a, lambda m: m["graph"].update(file=5)), "--prompt", "hi"], 2,
      "manifest lacks graph.file (a string); rebuild with lade-export build"),
+    ("artifact-file-not-listed", lambda t, s, a: ["generate", _edited_manifest(
+        t, a, lambda m: m.update(files={})), "--prompt", "hi"], 2,
+     "manifest.json: graph.file 'model.onnx' is not among the manifest's files, so it could not be checked; rebuild "
+     "with lade-export build"),
     ("chat-template-fails", lambda t, s, a: ["generate", _edited_manifest(
         t, a, lambda m: m["tokenizer"].update(chat_template="{{ 1/0 }}")), "--prompt", "hi"], 2,
      "chat template failed: ZeroDivisionError: division by zero"),
@@ -611,7 +615,7 @@ def test_dtype_refusal_names_the_tensorrt_engines_precision(tmp_path, stories_ar
     engines = [{"file": "engine-0.plan", "precision": "fp16"}, {"file": "engine-1.plan", "precision": "fp16"}]
     a = _edited_manifest(tmp_path, stories_artifact, lambda m: m.update(engines=engines))
     with pytest.raises(GenerationError) as err:
-        open_engine(Artifact(a), "tensorrt", dtype="bfloat16")
+        open_engine(Artifact(a, verify="none"), "tensorrt", dtype="bfloat16")
     assert str(err.value) == ("--dtype bfloat16 applies to the torch backend; the tensorrt backend computes in the "
                               "artifact's precision (fp16, chosen at build time with --precision)")
 
