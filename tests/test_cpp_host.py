@@ -90,8 +90,9 @@ def test_a_missing_artifact_is_a_one_line_error_in_cpp(lade_host, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--token-budget", "abc"], "--token-budget must be an integer from 1 to 2147483647, got 'abc'"),
-    (["--kv-tokens=0"], "--kv-tokens must be an integer from 1 to 2147483647, got '0'"),
-    (["--kv-tokens", "99999999999"], "--kv-tokens must be an integer from 1 to 2147483647, got '99999999999'"),
+    (["--kv-tokens=0"], "--kv-tokens must be an integer from 2 to 2147483647, got '0'"),
+    (["--kv-tokens", "1"], "--kv-tokens must be an integer from 2 to 2147483647, got '1'"),
+    (["--kv-tokens", "99999999999"], "--kv-tokens must be an integer from 2 to 2147483647, got '99999999999'"),
     (["--token-budget"], "--token-budget needs a value"),
     (["12x"], "MAX_NEW_TOKENS must be an integer from 1 to 2147483647, got '12x'"),
     (["--no-batching", "--token-budget", "8"], "--token-budget is an option of the scheduler, and --no-batching "

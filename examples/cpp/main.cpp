@@ -253,13 +253,14 @@ struct Arguments {
   lade::LoadOptions load;
 };
 
-// A count from the command line: decimal digits only, 1 to INT_MAX.
-int parse_count(const std::string& what, const std::string& text) {
+// A count from the command line: decimal digits only, least (1 unless given) to INT_MAX.
+int parse_count(const std::string& what, const std::string& text, long long least = 1) {
   const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
   errno = 0;
   const long long value = digits ? std::strtoll(text.c_str(), nullptr, 10) : 0;
-  if (!digits || errno == ERANGE || value < 1 || value > INT_MAX)
-    throw UsageError(what + " must be an integer from 1 to " + std::to_string(INT_MAX) + ", got '" + text + "'");
+  if (!digits || errno == ERANGE || value < least || value > INT_MAX)
+    throw UsageError(what + " must be an integer from " + std::to_string(least) + " to " + std::to_string(INT_MAX) +
+                     ", got '" + text + "'");
   return static_cast<int>(value);
 }
 
@@ -289,7 +290,9 @@ Arguments parse_arguments(int argc, char** argv) {
         if (i + 1 == argc) throw UsageError(name + " needs a value");
         value = argv[++i];
       }
-      (name == "--token-budget" ? args.load.token_budget : args.load.kv_tokens) = parse_count(name, value);
+      // the KV pool holds at least 2 tokens (a prompt's token and the one it makes), as the scheduler's kv_tokens
+      if (name == "--token-budget") args.load.token_budget = parse_count(name, value);
+      else args.load.kv_tokens = parse_count(name, value, 2);
     } else if (name == "--width-policy") {
       if (!inline_value) {
         if (i + 1 == argc) throw UsageError(name + " needs a value");
