@@ -1,6 +1,6 @@
 """Run the lade-export CLI from a checkout: ``python cli.py build …``."""
 
-from lade_export.cli import main
+from lade_export.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -193,3 +193,29 @@ def test_a_signal_to_the_build_alone_during_the_kernels_compile_ends_the_compile
     assert err.strip().splitlines()[-1] == "error: interrupted; nothing was written"
     wait_for(lambda: not _compilers_for(str(tmp_path)), timeout=2, what="the compiler processes to end")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_ctrl_c_once_the_build_has_said_built_is_ignored(tmp_path, stories_dir):
+    """The artifact is complete when ``built …`` is printed; a SIGINT during the interpreter's
+    teardown that follows (torch's exit handlers take ~0.5 s) used to end the process by
+    SIGINT with no message, or with a traceback from an exit handler."""
+    out = tmp_path / "art"
+    proc = start_build("--model", stories_dir, "--out", out)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("built "):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = "".join(lines) + rest
+    assert lines and lines[-1].startswith(f"built {out}: "), err
+    assert "Traceback" not in err, err
+    if proc.returncode == 130:  # it landed before the command returned: the build says it is complete
+        assert err.strip().splitlines()[-1] == f"error: interrupted after the new build was written to {out}", err
+    else:  # during the teardown: ignored
+        assert proc.returncode == 0 and "error:" not in err, (proc.returncode, err)
+    Artifact(out)  # complete: every checksum

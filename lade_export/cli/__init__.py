@@ -17,11 +17,31 @@ module         commands
 =============  ==============================================================
 
 ``common`` holds the group (``main``), the error printing and the options several commands
-share. Each command imports what it runs when it runs, so importing the CLI imports neither
+share; :func:`run` is the program (the ``lade-export`` script, ``python -m lade_export.cli``). Each command imports what it runs when it runs, so importing the CLI imports neither
 torch nor the export stack.
 """
+
+import signal
 
 from .common import main
 from . import build, decode, evaluate, serve  # noqa: F401 (each adds its commands to main)
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
+
+
+def run() -> None:
+    """The ``lade-export`` program: :data:`main`, then SIGINT ignored for the interpreter's
+    teardown. Once a command has returned or exited, its work is done (a build's artifact is
+    complete, its ``built …`` line printed), and a Ctrl-C in the half second torch and the
+    other libraries take to shut down ended the process by SIGINT (exit 130, no message) or
+    printed a traceback from a library's exit handler. :data:`main` itself is what tests
+    invoke in process, where the handler must stay.
+
+    Raises:
+        SystemExit: with the command's exit status (0, 1, 2 or 130; see the module docstring).
+    """
+    try:
+        main()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+

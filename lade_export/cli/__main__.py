@@ -1,5 +1,5 @@
 """``python -m lade_export.cli …``: the ``lade-export`` command line."""
 
-from . import main
+from . import run
 
-main()
+run()

@@ -15,7 +15,7 @@ import click
 
 from ..kernels import COMPUTE, KERNELS
 from ..profile import bundled_profile_names
-from .common import THREADS, _artifact_dir, _artifact_out, _console, _finite, _profiles, main
+from .common import BUILD_WRITTEN, THREADS, _artifact_dir, _artifact_out, _console, _finite, _profiles, main
 
 
 @main.command()
@@ -106,6 +106,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
         with _progress() as say:
             manifest = Manifest.from_dict(build_artifact(source, profiles, out, force=force, threads=threads,
                                                          status=say, timing_cache=timing_cache, options=options))
+        _mark_written(out)
         worst = max(manifest.parity.cases, key=lambda c: c["max_abs"])
         click.echo(f"built {out}: {manifest.model.dims.num_layers} layers, "
                    f"profiles {', '.join(p.name for p in manifest.profiles)}; parity max |Δlogit| "
@@ -140,6 +141,14 @@ def _interrupt_names_written_build(out):
             raise KeyboardInterrupt(f"interrupted after the new build was written to {Path(out).resolve()}") \
                 from None
         raise
+
+
+def _mark_written(out) -> None:
+    """Note that ``out`` now holds the complete new build, so that an interrupt on the
+    command's way out (its last lines, leaving the ``with``, click's return) says it was
+    written, as one inside :func:`_interrupt_names_written_build` does; the group's handler
+    reads the note."""
+    click.get_current_context().meta[BUILD_WRITTEN] = Path(out).resolve()
 
 
 def _echo_rope_note(manifest) -> None:
@@ -191,6 +200,7 @@ def export(source, out, force):
     with _interrupt_names_written_build(out):
         with _progress() as say:
             manifest = Manifest.from_dict(build_artifact(source, _profiles(None), out, force=force, status=say))
+        _mark_written(out)
         click.echo(f"exported {out / manifest.graph.file}")
         _echo_rope_note(manifest)
 

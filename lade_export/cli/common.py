@@ -27,11 +27,20 @@ _EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export",
            "uvicorn": "http", "prometheus_client": "http"}
 
 
+# ctx.meta key: the folder a build or export has written (set once its artifact is complete)
+BUILD_WRITTEN = "lade_export.build_written"
+
+
 class _Group(click.Group):
     """Turns typed errors, usage errors and interrupts into one-line messages and exit codes."""
 
+    def make_context(self, *args, **kwargs):
+        self._context = super().make_context(*args, **kwargs)  # its meta, for the interrupt handler of main
+        return self._context
+
     def main(self, *args, **kwargs):
         kwargs.setdefault("standalone_mode", False)
+        self._context = None
         try:
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as done:
@@ -48,8 +57,10 @@ class _Group(click.Group):
         except click.ClickException as err:
             click.echo(f"error: {err.format_message()}", err=True)
             sys.exit(err.exit_code)
-        except click.Abort:
-            click.echo("error: interrupted", err=True)
+        except click.Abort:  # an interrupt outside the command's own code (click's way in or out)
+            written = self._context.meta.get(BUILD_WRITTEN) if self._context is not None else None
+            click.echo(f"error: interrupted after the new build was written to {written}" if written else
+                       "error: interrupted", err=True)
             sys.exit(130)
 
     def invoke(self, ctx):
@@ -80,7 +91,9 @@ class _Group(click.Group):
         except KeyboardInterrupt as err:
             message = "error: interrupted"
             if ctx.invoked_subcommand in ("build", "export"):
+                written = ctx.meta.get(BUILD_WRITTEN)
                 message = f"error: {err}" if str(err).startswith("interrupted after") else \
+                    f"error: interrupted after the new build was written to {written}" if written else \
                     "error: interrupted; nothing was written"
             click.echo(message, err=True)
             sys.exit(130)
