@@ -207,8 +207,10 @@ class Artifact:
         ArtifactError: directory or ``manifest.json`` missing, unreadable JSON, or a
             manifest that :meth:`lade_export.manifest.Manifest.from_dict` refuses (a
             ``schema_version`` other than :data:`SCHEMA_VERSION`, a required section or
-            key missing, a wrong ``model.dims`` value), a listed file missing or of another
-            size, or a checksum mismatch naming the file.
+            key missing, a wrong ``model.dims`` value), a file the manifest names (graph,
+            weights, tokenizer, TensorRT plans) that its ``files`` does not list (checked
+            unless ``verify="none"``: :func:`unlisted_files`), a listed file missing or of
+            another size, or a checksum mismatch naming the file.
     """
 
     def __init__(self, root: str | Path, verify: str | bool = "quick"):
@@ -245,22 +247,16 @@ class Artifact:
             self._verify_file(name, entry, hashes and (full or entry.bytes <= QUICK_HASH_LIMIT))
 
     def _check_listed(self) -> None:
-        """Every file the manifest names (the graph, its weights, the tokenizer's files, the
-        TensorRT plans) is one of its ``files``: a hand-edited ``files`` that leaves one out
-        would leave that file unchecked.
+        """Raise on the first of :func:`unlisted_files`: a file the manifest names that its
+        ``files`` lacks would go unchecked.
 
         Raises:
-            ArtifactError: naming the first file ``files`` lacks and the key that names it.
+            ArtifactError: ``DIR/manifest.json: graph.file 'model.onnx' is not among the
+                manifest's files, …``, or a name that is not a string.
         """
-        spec = self.spec
-        named = [("graph.file", spec.graph.file), ("graph.external_data", spec.graph.external_data),
-                 ("tokenizer.file", spec.tokenizer.file)]
-        named += [("tokenizer.files", name) for name in spec.tokenizer.files]
-        named += [(f"engines[{i}].file", e.file) for i, e in enumerate(spec.engines)]
-        for key, name in named:
-            if name is not None and name not in spec.files:
-                raise ArtifactError(f"{self.root / MANIFEST}: {key} {name!r} is not among the manifest's files, "
-                                    "so it could not be checked; rebuild with lade-export build")
+        problems = unlisted_files(self.spec)
+        if problems:
+            raise ArtifactError(f"{self.root / MANIFEST}: {problems[0]}; rebuild with lade-export build")
 
     def _verify_file(self, name: str, entry, digest: bool) -> None:
         """One listed file: present, of its recorded size and (``digest``) its recorded sha256."""
@@ -359,6 +355,26 @@ class Artifact:
             raise ArtifactError(f"{self.root / 'manifest.json'}: default_profile {name!r} is not one of its profiles "
                                 f"({', '.join(p.name for p in profiles) or 'none'}); fix the manifest or rebuild")
         return profiles[0] if profiles else None
+
+
+def unlisted_files(spec) -> list[str]:
+    """What keeps the files a manifest names from being checked, one phrase each: the graph,
+    its weights, the tokenizer's files and the TensorRT plans must be among ``files`` (a
+    hand-edited ``"files": {}`` would otherwise turn every check off), by name (a string).
+    ``spec`` is a :class:`lade_export.manifest.Manifest`; an empty list when all is well."""
+    named = [("graph.file", spec.graph.file), ("graph.external_data", spec.graph.external_data),
+             ("tokenizer.file", spec.tokenizer.file)]
+    named += [(f"tokenizer.files[{i}]", name) for i, name in enumerate(spec.tokenizer.files)]
+    named += [(f"engines[{i}].file", e.file) for i, e in enumerate(spec.engines)]
+    problems = []
+    for key, name in named:
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            problems.append(f"{key} is {name!r}, not a file name")
+        elif name not in spec.files:
+            problems.append(f"{key} {name!r} is not among the manifest's files, so it could not be checked")
+    return problems
 
 
 def checksum_errors(artifact: Artifact) -> list[str]:

@@ -771,3 +771,21 @@ def test_a_cleanup_that_fails_after_an_interrupt_still_exits_130(tmp_path, stori
     result = invoke("build", "--model", stories_dir, "--out", tmp_path / "o")
     assert result.exit_code == 130
     assert result.stderr.splitlines() == ["error: interrupted"]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m.update(files={}), "graph.file 'model.onnx' is not among the manifest's files, so it could not be checked"),
+    (lambda m: m.update(engines=[{"file": ["x"]}]), "engines[0].file is ['x'], not a file name"),
+    (lambda m: m["tokenizer"].update(files=[{"a": 1}]), "tokenizer.files[0] is {'a': 1}, not a file name"),
+    (lambda m: m["files"].pop("tokenizer/tokenizer.json"),
+     "tokenizer.file 'tokenizer/tokenizer.json' is not among the manifest's files"),
+], ids=["files-empty", "engine-file-a-list", "tokenizer-file-an-object", "tokenizer-unlisted"])
+def test_a_file_the_manifest_names_but_does_not_list_is_refused_by_every_command(tmp_path, stories_artifact, edit,
+                                                                                   message):
+    a = _edited_manifest(tmp_path, stories_artifact, edit)
+    for command in (["generate", a, "--prompt", "hi"], ["inspect", a], ["check", a]):
+        result = invoke(*command)
+        assert result.exit_code == 2, (command, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {a / 'manifest.json'}: {message}"), (command, lines)
+        assert lines[0].endswith("; rebuild with lade-export build"), lines

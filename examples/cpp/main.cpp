@@ -290,9 +290,8 @@ Arguments parse_arguments(int argc, char** argv) {
         if (i + 1 == argc) throw UsageError(name + " needs a value");
         value = argv[++i];
       }
-      // the KV pool holds at least 2 tokens (a prompt's token and the one it makes), as the scheduler's kv_tokens
       if (name == "--token-budget") args.load.token_budget = parse_count(name, value);
-      else args.load.kv_tokens = parse_count(name, value, 2);
+      else args.load.kv_tokens = parse_count(name, value, 2);  // a prompt's token and the one it makes, as kv_tokens
     } else if (name == "--width-policy") {
       if (!inline_value) {
         if (i + 1 == argc) throw UsageError(name + " needs a value");

@@ -22,6 +22,7 @@ torch nor the export stack.
 """
 
 import signal
+import threading
 
 from .common import main
 from . import build, decode, evaluate, serve  # noqa: F401 (each adds its commands to main)
@@ -30,18 +31,20 @@ __all__ = ["main", "run"]
 
 
 def run() -> None:
-    """The ``lade-export`` program: :data:`main`, then SIGINT ignored for the interpreter's
-    teardown. Once a command has returned or exited, its work is done (a build's artifact is
-    complete, its ``built …`` line printed), and a Ctrl-C in the half second torch and the
-    other libraries take to shut down ended the process by SIGINT (exit 130, no message) or
-    printed a traceback from a library's exit handler. :data:`main` itself is what tests
-    invoke in process, where the handler must stay.
+    """The ``lade-export`` program (its script, ``python -m lade_export.cli``, ``cli.py``):
+    :data:`main`, then SIGINT ignored for the interpreter's teardown. Once a command has
+    returned or exited, its work is done (a build's artifact is complete, its ``built …``
+    line printed); a Ctrl-C in the half second torch and the other libraries take to shut
+    down ended the process by SIGINT (no message) or printed a traceback from an exit
+    handler. For whole processes only: it leaves SIGINT ignored. In-process callers (tests)
+    invoke :data:`main`.
 
-    Raises:
-        SystemExit: with the command's exit status (0, 1, 2 or 130; see the module docstring).
+    Returns:
+        None once the command succeeded; otherwise ``SystemExit`` with its status (1, 2,
+        130; see the module docstring).
     """
     try:
         main()
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+        if threading.current_thread() is threading.main_thread():  # signal() works there only
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
