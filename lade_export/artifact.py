@@ -242,13 +242,14 @@ class Artifact:
         Raises:
             ArtifactError: naming the first missing, resized or mismatching file.
         """
-        self._check_listed()
+        self.check_listed()
         for name, entry in self.spec.files.items():
             self._verify_file(name, entry, hashes and (full or entry.bytes <= QUICK_HASH_LIMIT))
 
-    def _check_listed(self) -> None:
+    def check_listed(self) -> None:
         """Raise on the first of :func:`unlisted_files`: a file the manifest names that its
-        ``files`` lacks would go unchecked.
+        ``files`` lacks would go unchecked (every mode but ``verify="none"`` calls it;
+        ``lade-export inspect`` too).
 
         Raises:
             ArtifactError: ``DIR/manifest.json: graph.file 'model.onnx' is not among the

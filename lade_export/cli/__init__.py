@@ -17,8 +17,9 @@ module         commands
 =============  ==============================================================
 
 ``common`` holds the group (``main``), the error printing and the options several commands
-share; :func:`run` is the program (the ``lade-export`` script, ``python -m lade_export.cli``). Each command imports what it runs when it runs, so importing the CLI imports neither
-torch nor the export stack.
+share; :func:`run` is the program (the ``lade-export`` script, ``python -m lade_export.cli``).
+Each command imports what it runs when it runs, so importing the CLI imports neither torch
+nor the export stack.
 """
 
 import signal

@@ -188,7 +188,7 @@ def inspect(artifact_dir, as_json):
     from rich.markup import escape
     from rich.table import Table
 
-    from ..artifact import Artifact, checksum_errors, unlisted_files  # not .check: that one needs the export extra
+    from ..artifact import Artifact, checksum_errors  # not .check: that one needs the export extra
 
     artifact = Artifact(artifact_dir, verify=False)
     if as_json:
@@ -283,9 +283,7 @@ def inspect(artifact_dir, as_json):
         flags = ", version-compatible" if e.version_compatible else ""
         console.print(f"  engine {e.file} ({e.precision}, {plan.get('network', '?')} network, TensorRT "
                       f"{e.tensorrt_version}{flags})")
-    unlisted = unlisted_files(m)
-    if unlisted:  # a file the manifest names but does not list: unchecked above
-        raise ArtifactError(f"{artifact.root / 'manifest.json'}: {unlisted[0]}; rebuild with lade-export build")
+    artifact.check_listed()  # a file the manifest names but does not list went unchecked above
     if bad:
         raise ArtifactError(f"{len(bad)} of {len(m.files)} files differ from the manifest "
                             f"({'; '.join(f'{k}: {v}' for k, v in bad.items())}); rebuild the artifact")
