@@ -19,12 +19,14 @@ import threading
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import lade_export
 from lade_export.cli import main
 from lade_export.errors import ArtifactError, ProfileError
 from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, library_paths, running_path
-from lade_export.profile import resolve_profile
+from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.export.quantize import QuantSpec
 from lade_export.export.weight_blocks import dequantize_block_lanes, pack_block_lanes
 
@@ -518,6 +520,33 @@ def onnx_ops(artifact) -> list[str]:
     import onnx
 
     return [n.op_type for n in onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph.node]
+
+@pytest.fixture(scope="module")
+def stories_lade_decoder(stories_lade):
+    with lade_export.load(stories_lade) as model:
+        yield model.decoder
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    body=st.lists(st.integers(min_value=3, max_value=511), min_size=0, max_size=24),
+    w=st.integers(0, 6),
+    n=st.integers(2, 5),
+    g=st.integers(0, 6),
+    k=st.sampled_from([0, 0, 3, 8]),
+    max_new=st.integers(1, 48),
+)
+def test_integer_path_lookahead_equals_greedy_bit_for_bit_for_random_prompts_and_profiles(
+        stories_lade_decoder, body, w, n, g, k, max_new):
+    """The integer path's rows are the same bits in any step on every CPU, so here lookahead
+    equals greedy without the float32 engine's tie clause (tests/test_property.py)."""
+    prompt = [1] + body
+    profile = LookaheadProfile(w, n, g, lookup=k)
+    greedy = stories_lade_decoder.generate(prompt, max_new, None)
+    look = stories_lade_decoder.generate(prompt, max_new, profile)
+    assert look.token_ids == greedy.token_ids
+    assert look.stop_reason == greedy.stop_reason
+
 
 def test_every_row_of_a_step_is_the_bits_it_has_alone(stories_lade):
     """The whole int8 step graph, not only its weight kernels: a token's logits and keys/values are
