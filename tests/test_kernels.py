@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import lade_export
 from lade_export.cli import main
@@ -29,6 +28,11 @@ from lade_export.kernels import LIBRARY, PATHS, PREFERENCE, compile_library, lib
 from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.export.quantize import QuantSpec
 from lade_export.export.weight_blocks import dequantize_block_lanes, pack_block_lanes
+
+try:
+    from .test_property import PROMPTS_AND_PROFILES
+except ImportError:  # imported as a top-level module by this file's subprocess checks (tests/ on sys.path)
+    from test_property import PROMPTS_AND_PROFILES
 
 
 @pytest.fixture(scope="module")
@@ -528,14 +532,7 @@ def stories_lade_decoder(stories_lade):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    body=st.lists(st.integers(min_value=3, max_value=511), min_size=0, max_size=24),
-    w=st.integers(0, 6),
-    n=st.integers(2, 5),
-    g=st.integers(0, 6),
-    k=st.sampled_from([0, 0, 3, 8]),
-    max_new=st.integers(1, 48),
-)
+@given(**PROMPTS_AND_PROFILES)
 def test_integer_path_lookahead_equals_greedy_bit_for_bit_for_random_prompts_and_profiles(
         stories_lade_decoder, body, w, n, g, k, max_new):
     """The integer path's rows are the same bits in any step on every CPU, so here lookahead

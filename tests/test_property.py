@@ -36,8 +36,9 @@ def tied_at_first_difference(decoder, prompt, greedy, look) -> bool:
     return bool(abs(logits[greedy[at]] - logits[look[at]]) <= TIE * np.abs(logits).max())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
+# random stories260K prompts (after BOS) and small profiles W, N, G, K: this file's float32 property
+# and tests/test_kernels.py's integer-path one draw from the same
+PROMPTS_AND_PROFILES = dict(
     body=st.lists(st.integers(min_value=3, max_value=511), min_size=0, max_size=24),
     w=st.integers(0, 6),
     n=st.integers(2, 5),
@@ -45,6 +46,10 @@ def tied_at_first_difference(decoder, prompt, greedy, look) -> bool:
     k=st.sampled_from([0, 0, 3, 8]),
     max_new=st.integers(1, 48),
 )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**PROMPTS_AND_PROFILES)
 def test_lookahead_equals_greedy_for_random_prompts_and_profiles(stories_decoder, body, w, n, g, k, max_new):
     prompt = [1] + body
     profile = LookaheadProfile(w, n, g, lookup=k)
