@@ -28,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .errors import ArtifactError
+from .errors import ArtifactError, interrupted_after_build
 from .manifest import REQUIRED_KEYS, SCHEMA_VERSION, Manifest  # noqa: F401 (REQUIRED_KEYS: re-exported)
 
 #: Files up to this size are hashed on every open; larger ones (the weights) only when asked.
@@ -179,7 +179,7 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
         for s, handler in previous.items():
             signal.signal(s, handler)
     if replacing and caught:  # it arrived while out was being replaced: out is the new build
-        raise KeyboardInterrupt(f"interrupted after the new build was written to {out}")
+        raise KeyboardInterrupt(interrupted_after_build(out))
 
 
 class Artifact:

@@ -61,3 +61,13 @@ class CheckFailedError(LadeError):
 
 class ServingError(LadeError):
     """A Triton model repository cannot be written, or a served model's parameters are invalid."""
+
+
+def interrupted_after_build(out) -> str:
+    """The message of an interrupt that lands once ``out`` holds the complete new build (the
+    CLI prints it as ``error: …`` and exits 130): said by the build's replacement of ``out``,
+    by ``lade-export build``/``export`` and by the CLI's interrupt handlers alike."""
+    return f"{INTERRUPTED_AFTER_BUILD} {out}"
+
+
+INTERRUPTED_AFTER_BUILD = "interrupted after the new build was written to"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import INTERRUPTED_AFTER_BUILD, interrupted_after_build
 from ..kernels import COMPUTE, KERNELS
 from ..profile import bundled_profile_names
 from .common import BUILD_WRITTEN, THREADS, _artifact_dir, _artifact_out, _console, _finite, _profiles, main
@@ -137,9 +138,8 @@ def _interrupt_names_written_build(out):
     try:
         yield
     except KeyboardInterrupt as err:
-        if identity() != before and not str(err).startswith("interrupted after"):
-            raise KeyboardInterrupt(f"interrupted after the new build was written to {Path(out).resolve()}") \
-                from None
+        if identity() != before and not str(err).startswith(INTERRUPTED_AFTER_BUILD):
+            raise KeyboardInterrupt(interrupted_after_build(Path(out).resolve())) from None
         raise
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ..backends import BACKENDS
-from ..errors import LadeError, ProfileError
+from ..errors import INTERRUPTED_AFTER_BUILD, LadeError, ProfileError, interrupted_after_build
 from ..profile import resolve_profile
 
 #: How a CPU build of PyTorch is installed (the README's "PyTorch first").
@@ -59,8 +59,7 @@ class _Group(click.Group):
             sys.exit(err.exit_code)
         except click.Abort:  # an interrupt outside the command's own code (click's way in or out)
             written = self._context.meta.get(BUILD_WRITTEN) if self._context is not None else None
-            click.echo(f"error: interrupted after the new build was written to {written}" if written else
-                       "error: interrupted", err=True)
+            click.echo(f"error: {interrupted_after_build(written)}" if written else "error: interrupted", err=True)
             sys.exit(130)
 
     def invoke(self, ctx):
@@ -92,8 +91,8 @@ class _Group(click.Group):
             message = "error: interrupted"
             if ctx.invoked_subcommand in ("build", "export"):
                 written = ctx.meta.get(BUILD_WRITTEN)
-                message = f"error: {err}" if str(err).startswith("interrupted after") else \
-                    f"error: interrupted after the new build was written to {written}" if written else \
+                message = f"error: {err}" if str(err).startswith(INTERRUPTED_AFTER_BUILD) else \
+                    f"error: {interrupted_after_build(written)}" if written else \
                     "error: interrupted; nothing was written"
             click.echo(message, err=True)
             sys.exit(130)
