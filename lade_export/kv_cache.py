@@ -46,6 +46,9 @@ WRITE_LOG = 8
 
 #: id(first key buffer) -> the cache that owns it (see :func:`owner_of`).
 _OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictionary()
+#: id of the array a sequence-major cache's feeds are views of (its layer-0 key buffer, or a
+#: stacked cache's block) -> the cache (:func:`cache_of_feeds`)
+_VIEW_OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictionary()
 
 
 #: numpy asks Linux for transparent huge pages on every array of this many bytes or more
@@ -76,6 +79,27 @@ def zeros(shape: tuple, dtype) -> np.ndarray:
         return np.zeros(shape, dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))  # fd −1: anonymous
     return np.ndarray(shape, dtype=dtype, buffer=mapping)
+
+
+def cache_of_feeds(feeds: dict) -> tuple[KVCache, int] | None:
+    """The ``sequence-major`` :class:`KVCache` (stacked or not) whose latest
+    :meth:`KVCache.feeds` views ``feeds`` holds, every ``past_key_values.*`` feed being that
+    very view object, and the views' length in tokens (the cache's length when they were
+    made; an append since does not change what they show); None for any other feeds (the
+    caller's own arrays, views of an earlier :meth:`KVCache.feeds` call, a
+    ``head-major-shared`` cache). An engine that binds a cache's buffers
+    [1, capacity, kv_heads, head_dim] once and widens the mask reads the cache through this
+    (:meth:`lade_export.backends.onnxruntime.OrtEngine.run`)."""
+    feed = feeds.get(past_key_name(0))
+    base = getattr(feed, "base", None)
+    cache = _VIEW_OWNERS.get(id(base)) if isinstance(base, np.ndarray) else None
+    if cache is None or cache._views is None:
+        return None
+    length, views = cache._views
+    for name, view in views.items():
+        if feeds.get(name) is not view:
+            return None
+    return cache, length
 
 
 def owner_of(feed) -> KVCache | None:
@@ -162,6 +186,9 @@ class KVCache:
                        for i in range(dims.num_layers)]
         self._past = [k for k, _, _, _ in self._names] + [v for _, v, _, _ in self._names]  # block order
         _OWNERS[id(self.keys[0])] = self
+        self._views = None  # (length, the feeds() of that length), for cache_of_feeds
+        if layout == "sequence-major":
+            _VIEW_OWNERS[id(self._block if stacked else self.keys[0])] = self
 
     @property
     def length(self) -> int:
@@ -205,9 +232,10 @@ class KVCache:
 
     def feeds(self) -> dict:
         """``past_key_values.*`` feeds: views [1, length, kv_heads, head_dim] of the buffers
-        (``sequence-major``; contiguous, so engines read them without a copy), or the
-        buffers themselves [1, kv_heads, capacity + step_room, head_dim] (``head-major-shared``;
-        the engine writes the step into them)."""
+        (``sequence-major``; contiguous, so engines read them without a copy; the latest
+        call's views are remembered, for :func:`cache_of_feeds`), or the buffers themselves
+        [1, kv_heads, capacity + step_room, head_dim] (``head-major-shared``; the engine
+        writes the step into them). A new dict each call (``sequence-major``)."""
         shared = self.layout == "head-major-shared"
         if shared and self._shared_feeds is not None:
             return self._shared_feeds  # the same buffers every step
@@ -217,12 +245,14 @@ class KVCache:
             return self._shared_feeds
         n = self.length
         if self.stacked:  # every buffer's view from one slice of the block: [2·layers, 1, n, kv_heads, head_dim]
-            return dict(zip(self._past, self._block[:, :, :n]))
-        out = {}
-        for (k, v, _, _), key, value in zip(self._names, self.keys, self.values):
-            out[k] = key[:, :n]
-            out[v] = value[:, :n]
-        return out
+            out = dict(zip(self._past, self._block[:, :, :n]))
+        else:
+            out = {}
+            for (k, v, _, _), key, value in zip(self._names, self.keys, self.values):
+                out[k] = key[:, :n]
+                out[v] = value[:, :n]
+        self._views = (n, out)
+        return dict(out)
 
     def store_rows(self, outputs: dict, src, dst) -> None:
         """Copy rows ``src`` of every ``present.*`` output ([1, step, kv_heads, head_dim]) to

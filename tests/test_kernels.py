@@ -7,6 +7,7 @@ the registry with a pinned checksum, and bad input gets one line."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -847,6 +848,81 @@ def test_the_int8_graph_reads_its_cache_in_place_and_batches_in_regions(stories_
     assert max(seen) == 3  # three regions at once
     assert scheduler.pool.used == 0 and scheduler.active_requests == 0
     scheduler.close()
+
+
+def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade, reference_greedy, monkeypatch):
+    """On an engine whose attention skips masked key blocks, a step whose cache feeds are a
+    KVCache's own views runs on a prefix of the cache's buffers bound once (the mask widened
+    with False columns up to it): every output, logits and present keys/values, is the
+    bits the same feeds give as the caller's own arrays (the views path), for greedy and
+    lookahead steps of one request and for the scheduler's packed passes over its pool; a
+    step whose widened mask would pass KEPT_MASK_BYTES (a long prefill) takes the views path."""
+    from lade_export.backends import onnxruntime as ort_backend
+    from lade_export.errors import EngineError
+    from lade_export.kv_cache import cache_of_feeds
+    from lade_export.scheduler import Scheduler
+
+    model = lade_export.load(stories_lade)
+    decoder, engine = model.decoder, model.decoder.engine
+    plain, bound = engine.run, engine._run_bound
+    counts = collections.Counter()
+
+    def counted(*args, **kwargs):
+        counts["bound"] += 1
+        return bound(*args, **kwargs)
+
+    def both(feeds, with_logits=False, plan=None):
+        owned = cache_of_feeds(feeds)
+        got = {k: (v.shape, v.dtype, v.tobytes()) for k, v in plain(feeds, with_logits=True).items()}
+        if owned is not None:
+            copies = {k: np.array(v) for k, v in feeds.items()}  # the caller's own arrays
+            assert cache_of_feeds(copies) is None
+            want = {k: (v.shape, v.dtype, v.tobytes()) for k, v in plain(copies, with_logits=True).items()}
+            assert got == want
+            counts["compared"] += 1
+        return plain(feeds, with_logits=with_logits)
+
+    monkeypatch.setattr(engine, "_run_bound", counted)
+    monkeypatch.setattr(engine, "run", both)
+    cases = reference_greedy["cases"]
+    # 300 tokens: bound prefixes of 256 columns, then the whole capacity (305)
+    specs = [(cases[0]["prompt_ids"], 300, None), (cases[1]["prompt_ids"], 24, resolve_profile("default-int4")),
+             (cases[2]["prompt_ids"], 32, resolve_profile("default"))]
+    solo = [decoder.generate(ids, n, prof).token_ids for ids, n, prof in specs]
+    assert len(solo[0]) == 300
+    steps = counts["compared"]
+    assert steps >= 300 + 3 and counts["bound"] == 2 * steps  # every step of every request (twice a step above)
+    scheduler = Scheduler(decoder, max_batch=3)
+    got = [None] * len(specs)
+
+    def run(i):
+        ids, n, prof = specs[i]
+        got[i] = [t for c in scheduler.stream(ids, n, prof) for t in c.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    scheduler.close()
+    assert got == solo and counts["compared"] > steps + 10
+    # a step too wide for a kept mask: the views path (no step bound)
+    monkeypatch.setattr(ort_backend, "KEPT_MASK_BYTES", 0)
+    before = dict(counts)
+    assert decoder.generate(*specs[0]).token_ids == solo[0]
+    assert counts["bound"] == before["bound"] and counts["compared"] > before["compared"]
+    # the cache's own views with a mask of another width
+    monkeypatch.setattr(ort_backend, "KEPT_MASK_BYTES", 1 << 20)
+    from lade_export.kv_cache import KVCache
+    from lade_export.feeds import causal_feeds
+
+    cache = KVCache(engine.dims, 16, layout=engine.kv_layout, dtype=engine.kv_dtype)
+    cache.append(plain({**causal_feeds([1, 2, 3], 0), **cache.feeds()}), step=3)
+    feeds = {**causal_feeds([4], 3), **cache.feeds()}
+    feeds["attention_mask"] = feeds["attention_mask"][..., 1:]
+    with pytest.raises(EngineError, match=r"^attention_mask is \[1, 1, 1, 3\], not \[1, 1, 1, 4\] for 3 cached "
+                                          r"tokens and a step of 1$"):
+        plain(feeds)
 
 
 def test_int8_compute_refuses_group_query_attention_and_a_bad_forced_path(stories_lade, stories_dir, tmp_path):

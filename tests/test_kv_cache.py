@@ -6,8 +6,8 @@ import mmap
 import numpy as np
 import pytest
 
-from lade_export.kv_cache import KVCache, _runs, owner_of
-from lade_export.specs import ModelDims, present_key_name, present_value_name
+from lade_export.kv_cache import KVCache, _runs, cache_of_feeds, owner_of
+from lade_export.specs import ModelDims, past_key_name, present_key_name, present_value_name
 
 DIMS = ModelDims(num_layers=3, heads=4, kv_heads=2, head_dim=4, hidden=16, vocab=32, max_context=64,
                  tied_embeddings=False)
@@ -125,3 +125,27 @@ def test_owner_of_finds_a_mapped_cache_from_its_buffer_or_a_view_in_either_layou
         assert owner_of(cache.keys[0]) is cache
         assert owner_of(cache.keys[0][:, :3]) is cache
         assert owner_of(cache.values[0]) is None
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dims", [DIMS, WIDE], ids=["small", "mapped"])
+def test_cache_of_feeds_knows_its_latest_views_and_nothing_else(stacked, dims):
+    rng = np.random.default_rng(3)
+    cache = KVCache(dims, capacity=8192 if dims is WIDE else 16, dtype=np.float16, stacked=stacked)
+    outputs = {name: rng.standard_normal((1, 3, dims.kv_heads, dims.head_dim)).astype(np.float16)
+               for i in range(dims.num_layers) for name in (present_key_name(i), present_value_name(i))}
+    cache.append(outputs)
+    feeds = {"input_ids": np.zeros((1, 1), np.int64), **cache.feeds()}
+    assert cache_of_feeds(feeds) == (cache, 3)
+    assert cache_of_feeds({**feeds, **{k: np.array(v) for k, v in cache.feeds().items()}}) is None  # copies
+    older = cache.feeds()
+    cache.append(outputs, rows=[0])
+    assert cache_of_feeds(older) == (cache, 3)  # the length of the views, not the cache's
+    latest = cache.feeds()
+    assert cache_of_feeds(latest) == (cache, 4) and cache_of_feeds(older) is None  # only the latest feeds() count
+    del latest[next(iter(latest))]
+    assert cache_of_feeds(latest) is None and cache_of_feeds({}) is None
+    other = KVCache(dims, capacity=16, dtype=np.float16, stacked=stacked)
+    assert cache_of_feeds({**cache.feeds(), past_key_name(0): other.feeds()[past_key_name(0)]}) is None
+    shared = KVCache(dims, capacity=16, layout="head-major-shared", dtype=np.float16)
+    assert cache_of_feeds(shared.feeds()) is None

@@ -9,12 +9,62 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, BackendUnavailableError, EngineError, GenerationError, ProfileError
+from ..kv_cache import cache_of_feeds
 from ..specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
 
 
 #: I/O bindings of distinct cache buffer sets an engine keeps (one per concurrent request
 #: is enough; older ones are dropped).
 KEPT_BINDINGS = 16
+
+#: Bound step shapes kept per cache on the bound-buffer path (:meth:`OrtEngine.run`): a
+#: request's steps come in a few widths (one token, its profile's step, narrower ones).
+KEPT_SHAPES = 8
+
+#: Largest widened mask (step rows × (bound columns + step) columns, bytes) of a step on the
+#: bound-buffer path; a wider step (a long prompt's prefill) runs on the cache's views instead.
+KEPT_MASK_BYTES = 1 << 20
+
+
+def bound_columns(length: int, capacity: int) -> int:
+    """Cache columns a step over ``length`` cached tokens binds on the bound-buffer path: the
+    power of two ≥ 256 above ``length``, at most ``capacity`` (a pool's unused room costs
+    each row a scan of the mask, so a short history binds a short prefix of its buffers,
+    and a binding serves every step until the history doubles)."""
+    return min(capacity, max(256, 1 << int(length).bit_length()))
+
+
+class _BoundStep:
+    """One step shape of one cache on the bound-buffer path: an ONNX Runtime ``IOBinding``
+    whose ``past_key_values.*`` inputs are the first ``columns`` columns of the cache's
+    buffers ([1, columns, kv_heads, head_dim], the cache's dtype) and whose other inputs
+    (``input_ids``, ``position_ids`` int64 [1, step], ``attention_mask`` bool [1, 1, step,
+    columns + step], ``logits_positions`` int64 [1, n_logits]) and outputs are arrays of
+    this object, bound once; a step copies its small inputs into them and runs."""
+
+    def __init__(self, session, cache, columns: int, step: int, n_logits: int, with_logits: bool, vocab: int,
+                 kv_dtype):
+        self.columns = columns
+        self.input_ids = np.zeros((1, step), np.int64)
+        self.position_ids = np.zeros((1, step), np.int64)
+        self.mask = np.zeros((1, 1, step, columns + step), bool)
+        self.logits_positions = np.zeros((1, n_logits), np.int64)
+        self.outputs = {"next_token_ids": np.zeros((1, n_logits), np.int64)}
+        if with_logits:
+            self.outputs["logits"] = np.zeros((1, n_logits, vocab), np.float32)
+        binding = session.io_binding()
+        for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+            for name, buffer in ((past_key_name(i), keys), (past_value_name(i), values)):
+                binding.bind_input(name, "cpu", 0, kv_dtype, (1, columns, *buffer.shape[2:]), buffer.ctypes.data)
+            for name in (present_key_name(i), present_value_name(i)):
+                self.outputs[name] = np.zeros((1, step, *keys.shape[2:]), kv_dtype)
+        for name in ("input_ids", "position_ids", "logits_positions"):
+            array = getattr(self, name)
+            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        binding.bind_input("attention_mask", "cpu", 0, bool, self.mask.shape, self.mask.ctypes.data)
+        for name, array in self.outputs.items():
+            binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        self.binding = binding
 
 
 def cannot_load(path: str | Path, err: BaseException) -> ArtifactError:
@@ -131,6 +181,8 @@ class OrtEngine:
         self._shared = {}  # past input name -> present output name (head-major-shared)
         self._bindings = {}  # (with_logits, cache buffers) -> IOBinding with those buffers bound (_run_shared)
         self._bindings_lock = threading.Lock()
+        self._bound = weakref.WeakKeyDictionary()  # KVCache -> {(columns, step, n_logits, with_logits): _BoundStep}
+        self.session_provider = provider
         self._addresses = {}  # id(cache buffer) -> (weak reference, address)
         if self.kv_layout == "head-major-shared":
             self._shared = {past_key_name(i): present_key_name(i) for i in range(dims.num_layers)}
@@ -180,6 +232,12 @@ class OrtEngine:
         output name; ``logits`` only when ``with_logits`` (the decoder reads ``next_token_ids``).
         ``plan`` is ignored (one graph runs every step; :meth:`check_profile` returns None).
 
+        On a CPU session of a graph whose attention skips masked key blocks
+        (:attr:`attention_skips`), feeds whose cache is a :class:`~lade_export.kv_cache.KVCache`'s
+        own views run on I/O bindings of the cache's buffers kept from step to step (the same
+        bits; ``present.*`` are then arrays that the cache's next step of the same shape
+        overwrites, so keep what you need of them before it).
+
         Raises:
             EngineError: ONNX Runtime failed to run the feeds (first line of its message).
             GenerationError: the engine was closed (:meth:`close`).
@@ -196,6 +254,13 @@ class OrtEngine:
                     and all(getattr(feeds[n], "base", None) is (cache.keys if n.endswith(".key") else cache.values)[
                         int(n.split(".")[1])] for n in self._past_names):
                 return self._run_device(feeds, with_logits, cache)
+        if self.attention_skips and self.device_memory is None and self.session_provider == "cpu":
+            owned = cache_of_feeds(feeds)
+            if owned is not None and owned[0].dtype == self.kv_dtype and np.shape(feeds["input_ids"])[0] == 1:
+                cache, length = owned
+                columns, step = bound_columns(length, cache.capacity), np.shape(feeds["input_ids"])[1]
+                if step * (columns + step) <= KEPT_MASK_BYTES:
+                    return self._run_bound(feeds, with_logits, cache, length, columns)
         names = self._all_outputs if with_logits else self._fast_outputs
         # a cache of another float type (feeds made by hand, float32 by default) is converted, a copy;
         # the runtime's own caches are allocated in kv_dtype and pass as they are
@@ -205,6 +270,57 @@ class OrtEngine:
             return dict(zip(names, self.session.run(names, feeds)))
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+
+    def _run_bound(self, feeds: dict, with_logits: bool, cache, length: int, columns: int) -> dict:
+        """``run`` for feeds whose cache is a ``sequence-major`` :class:`~lade_export.kv_cache.KVCache`'s
+        own views of ``length`` tokens (:func:`~lade_export.kv_cache.cache_of_feeds`) on a graph
+        whose attention skips masked key blocks (:attr:`attention_skips`): the first ``columns``
+        columns of the cache's buffers (:func:`bound_columns`) are the past inputs, bound once
+        per cache and step shape (:class:`_BoundStep`), and the mask is widened to them — the
+        given mask's cache columns ``[0, length)``, then False up to ``columns``, then its step
+        columns. Masked keys add nothing to a row's bits (``tests/test_kernels.py``), so the
+        outputs are the bits the views give; what it saves is ONNX Runtime taking 60-odd new
+        input arrays and allocating every output at each step (3–4% of a one-token step of
+        SmolLM2's int4 build, ``bench/results/step-costs.md``).
+
+        Returns ``next_token_ids`` (and ``logits``) as new arrays, and the ``present.*``
+        outputs as the bound arrays, which the next step of the same cache and shape
+        overwrites (callers copy the rows they keep at once: ``KVCache.append``)."""
+        ids = feeds["input_ids"]
+        step, n_logits = np.shape(ids)[1], np.shape(feeds["logits_positions"])[1]
+        mask = feeds["attention_mask"]
+        if np.shape(mask) != (1, 1, step, length + step):
+            raise EngineError(f"attention_mask is {list(np.shape(mask))}, not [1, 1, {step}, {length + step}] "
+                              f"for {length} cached tokens and a step of {step}")
+        key = (columns, step, n_logits, bool(with_logits))
+        with self._bindings_lock:
+            shapes = self._bound.get(cache)
+            if shapes is None:
+                shapes = self._bound[cache] = {}
+            bound = shapes.pop(key, None)
+        if bound is None:
+            bound = _BoundStep(self.session, cache, columns, step, n_logits, with_logits, self.dims.vocab,
+                               self.kv_dtype)
+        bound.input_ids[...] = ids
+        bound.position_ids[...] = feeds["position_ids"]
+        bound.logits_positions[...] = feeds["logits_positions"]
+        widened = bound.mask
+        widened[..., :length] = mask[..., :length]
+        widened[..., length:columns] = False
+        widened[..., columns:] = mask[..., length:]
+        try:
+            self.session.run_with_iobinding(bound.binding)
+        except Exception as err:  # onnxruntime's Fail / InvalidArgument
+            raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+        out = dict(bound.outputs)
+        out["next_token_ids"] = out["next_token_ids"].copy()
+        if with_logits:
+            out["logits"] = out["logits"].copy()
+        with self._bindings_lock:
+            shapes[key] = bound
+            while len(shapes) > KEPT_SHAPES:
+                shapes.pop(next(iter(shapes)))
+        return out
 
     def _run_shared(self, feeds: dict, with_logits: bool) -> dict:
         """``run`` for a ``head-major-shared`` graph: each cache buffer is bound as its past
@@ -323,6 +439,7 @@ class OrtEngine:
 
     def close(self) -> None:
         self._bindings.clear()
+        self._bound.clear()
         self.session = None
         if self.device_memory is not None:
             with self._device_lock:
