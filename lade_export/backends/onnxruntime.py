@@ -18,8 +18,11 @@ from ..specs import ModelDims, past_key_name, past_value_name, present_key_name,
 KEPT_BINDINGS = 16
 
 #: Bound step shapes kept per cache on the bound-buffer path (:meth:`OrtEngine.run`): a
-#: request's steps come in a few widths (one token, its profile's step, narrower ones).
-KEPT_SHAPES = 8
+#: request's steps come in a few widths (one token, its profile's step, narrower ones), a
+#: scheduler's pool's passes in more (one to ``max_batch`` decode steps, with prompt chunks).
+#: A shape is bound the second time it is seen (binding costs about what 2 steps' inputs
+#: cost), so one-off shapes (a prefill, a pass with a prompt chunk) run on views.
+KEPT_SHAPES = 32
 
 #: Largest widened mask (step rows × (bound columns + step) columns, bytes) of a step on the
 #: bound-buffer path; a wider step (a long prompt's prefill) runs on the cache's views instead.
@@ -28,10 +31,10 @@ KEPT_MASK_BYTES = 1 << 20
 
 def bound_columns(length: int, capacity: int) -> int:
     """Cache columns a step over ``length`` cached tokens binds on the bound-buffer path: the
-    power of two ≥ 256 above ``length``, at most ``capacity`` (a pool's unused room costs
-    each row a scan of the mask, so a short history binds a short prefix of its buffers,
-    and a binding serves every step until the history doubles)."""
-    return min(capacity, max(256, 1 << int(length).bit_length()))
+    multiple of 256 above ``length``, at most ``capacity`` (a pool's unused room costs each
+    row a scan of the mask, so a history binds the prefix of its buffers that holds it, and
+    a binding serves 256 tokens of a growing history)."""
+    return min(capacity, (int(length) // 256 + 1) * 256)
 
 
 class _BoundStep:
@@ -181,7 +184,8 @@ class OrtEngine:
         self._shared = {}  # past input name -> present output name (head-major-shared)
         self._bindings = {}  # (with_logits, cache buffers) -> IOBinding with those buffers bound (_run_shared)
         self._bindings_lock = threading.Lock()
-        self._bound = weakref.WeakKeyDictionary()  # KVCache -> {(columns, step, n_logits, with_logits): _BoundStep}
+        # KVCache -> ({(columns, step, n_logits, with_logits): _BoundStep}, {shape seen once: True})
+        self._bound = weakref.WeakKeyDictionary()
         self.session_provider = provider
         self._addresses = {}  # id(cache buffer) -> (weak reference, address)
         if self.kv_layout == "head-major-shared":
@@ -260,7 +264,9 @@ class OrtEngine:
                 cache, length = owned
                 columns, step = bound_columns(length, cache.capacity), np.shape(feeds["input_ids"])[1]
                 if step * (columns + step) <= KEPT_MASK_BYTES:
-                    return self._run_bound(feeds, with_logits, cache, length, columns)
+                    out = self._run_bound(feeds, with_logits, cache, length, columns)
+                    if out is not None:
+                        return out
         names = self._all_outputs if with_logits else self._fast_outputs
         # a cache of another float type (feeds made by hand, float32 by default) is converted, a copy;
         # the runtime's own caches are allocated in kv_dtype and pass as they are
@@ -271,7 +277,7 @@ class OrtEngine:
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
 
-    def _run_bound(self, feeds: dict, with_logits: bool, cache, length: int, columns: int) -> dict:
+    def _run_bound(self, feeds: dict, with_logits: bool, cache, length: int, columns: int) -> dict | None:
         """``run`` for feeds whose cache is a ``sequence-major`` :class:`~lade_export.kv_cache.KVCache`'s
         own views of ``length`` tokens (:func:`~lade_export.kv_cache.cache_of_feeds`) on a graph
         whose attention skips masked key blocks (:attr:`attention_skips`): the first ``columns``
@@ -285,7 +291,12 @@ class OrtEngine:
 
         Returns ``next_token_ids`` (and ``logits``) as new arrays, and the ``present.*``
         outputs as the bound arrays, which the next step of the same cache and shape
-        overwrites (callers copy the rows they keep at once: ``KVCache.append``)."""
+        overwrites (callers copy the rows they keep at once: ``KVCache.append``); None the
+        first time the cache has a step of this shape (the caller runs it on the views).
+
+        Raises:
+            EngineError: the mask is not [1, 1, step, length + step], or ONNX Runtime failed.
+        """
         ids = feeds["input_ids"]
         step, n_logits = np.shape(ids)[1], np.shape(feeds["logits_positions"])[1]
         mask = feeds["attention_mask"]
@@ -296,8 +307,13 @@ class OrtEngine:
         with self._bindings_lock:
             shapes = self._bound.get(cache)
             if shapes is None:
-                shapes = self._bound[cache] = {}
-            bound = shapes.pop(key, None)
+                shapes = self._bound[cache] = ({}, {})  # (bound shapes, shapes seen once)
+            bound = shapes[0].pop(key, None)
+            if bound is None and shapes[1].pop(key, None) is None:
+                shapes[1][key] = True
+                while len(shapes[1]) > KEPT_SHAPES:
+                    shapes[1].pop(next(iter(shapes[1])))
+                return None
         if bound is None:
             bound = _BoundStep(self.session, cache, columns, step, n_logits, with_logits, self.dims.vocab,
                                self.kv_dtype)
@@ -317,9 +333,9 @@ class OrtEngine:
         if with_logits:
             out["logits"] = out["logits"].copy()
         with self._bindings_lock:
-            shapes[key] = bound
-            while len(shapes) > KEPT_SHAPES:
-                shapes.pop(next(iter(shapes)))
+            shapes[0][key] = bound
+            while len(shapes[0]) > KEPT_SHAPES:
+                shapes[0].pop(next(iter(shapes[0])))
         return out
 
     def _run_shared(self, feeds: dict, with_logits: bool) -> dict:
