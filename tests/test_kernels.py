@@ -856,7 +856,7 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     with False columns up to it): every output, logits and present keys/values, is the
     bits the same feeds give as the caller's own arrays (the views path), for greedy and
     lookahead steps of one request and for the scheduler's packed passes over its pool; a
-    step whose widened mask would pass KEPT_MASK_BYTES (a long prefill) takes the views path."""
+    step whose widened mask would pass KEPT_STEP_BYTES (a long prefill) takes the views path."""
     from lade_export.backends import onnxruntime as ort_backend
     from lade_export.errors import EngineError
     from lade_export.kv_cache import cache_of_feeds
@@ -911,12 +911,12 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     assert got == solo and counts["compared"] > steps + 10
     assert counts["bound"] - 1.9 * steps > counts["compared"] - steps  # most passes of the pool were bound
     # a step too wide for a kept mask: the views path (no step bound)
-    monkeypatch.setattr(ort_backend, "KEPT_MASK_BYTES", 0)
+    monkeypatch.setattr(ort_backend, "KEPT_STEP_BYTES", 0)
     before = dict(counts)
     assert decoder.generate(*specs[0]).token_ids == solo[0]
     assert counts["bound"] == before["bound"] and counts["compared"] > before["compared"]
     # the cache's own views with a mask of another width
-    monkeypatch.setattr(ort_backend, "KEPT_MASK_BYTES", 1 << 20)
+    monkeypatch.setattr(ort_backend, "KEPT_STEP_BYTES", 1 << 20)
     from lade_export.kv_cache import KVCache
     from lade_export.feeds import causal_feeds
 
@@ -927,6 +927,20 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     with pytest.raises(EngineError, match=r"^attention_mask is \[1, 1, 1, 3\], not \[1, 1, 1, 4\] for 3 cached "
                                           r"tokens and a step of 1$"):
         plain(feeds)
+    # what a cache keeps bound: shapes of 1…4 tokens, each run twice (bound the second time), in a budget
+    # of two one-token shapes' bytes: the latest shape alone is left, and the next step of the dropped
+    # one-token shape is its first sight again
+    one = None
+    for width in (1, 1, 2, 2, 3, 3, 4, 4):
+        got = plain({**causal_feeds(list(range(5, 5 + width)), 3), **cache.feeds()})
+        kept = engine._bound[cache][0]
+        one = one or next(iter(kept.values()), None)
+        if one is not None:
+            monkeypatch.setattr(ort_backend, "KEPT_CACHE_BYTES", 2 * one.nbytes)
+    assert [k[1] for k in kept] == [4] and got["present.0.key"].shape == (1, 4, engine.dims.kv_heads, engine.dims.head_dim)
+    before = dict(counts)
+    plain({**causal_feeds([5], 3), **cache.feeds()})
+    assert counts["first sight"] == before["first sight"] + 1
 
 
 def test_int8_compute_refuses_group_query_attention_and_a_bad_forced_path(stories_lade, stories_dir, tmp_path):

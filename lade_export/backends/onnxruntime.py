@@ -24,9 +24,13 @@ KEPT_BINDINGS = 16
 #: cost), so one-off shapes (a prefill, a pass with a prompt chunk) run on views.
 KEPT_SHAPES = 32
 
-#: Largest widened mask (step rows × (bound columns + step) columns, bytes) of a step on the
-#: bound-buffer path; a wider step (a long prompt's prefill) runs on the cache's views instead.
-KEPT_MASK_BYTES = 1 << 20
+#: Most bytes of one bound shape's own arrays (its widened mask, step rows × (bound columns
+#: + step), and its logits, n_logits × vocab float32, when the step reads them); a step that
+#: needs more (a long prompt's prefill, a sampled step with many logit rows) runs on views.
+KEPT_STEP_BYTES = 1 << 20
+
+#: Most bytes of the bound shapes' own arrays kept per cache (the oldest shapes are dropped).
+KEPT_CACHE_BYTES = 8 << 20
 
 
 def bound_columns(length: int, capacity: int) -> int:
@@ -68,6 +72,9 @@ class _BoundStep:
         for name, array in self.outputs.items():
             binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
         self.binding = binding
+        #: bytes of this object's arrays
+        self.nbytes = sum(a.nbytes for a in (self.input_ids, self.position_ids, self.mask, self.logits_positions,
+                                              *self.outputs.values()))
 
 
 def cannot_load(path: str | Path, err: BaseException) -> ArtifactError:
@@ -263,7 +270,8 @@ class OrtEngine:
             if owned is not None and owned[0].dtype == self.kv_dtype and np.shape(feeds["input_ids"])[0] == 1:
                 cache, length = owned
                 columns, step = bound_columns(length, cache.capacity), np.shape(feeds["input_ids"])[1]
-                if step * (columns + step) <= KEPT_MASK_BYTES:
+                logits = np.shape(feeds["logits_positions"])[1] * self.dims.vocab * 4 if with_logits else 0
+                if step * (columns + step) + logits <= KEPT_STEP_BYTES:
                     out = self._run_bound(feeds, with_logits, cache, length, columns)
                     if out is not None:
                         return out
@@ -286,8 +294,8 @@ class OrtEngine:
         given mask's cache columns ``[0, length)``, then False up to ``columns``, then its step
         columns. Masked keys add nothing to a row's bits (``tests/test_kernels.py``), so the
         outputs are the bits the views give; what it saves is ONNX Runtime taking 60-odd new
-        input arrays and allocating every output at each step (3–4% of a one-token step of
-        SmolLM2's int4 build, ``bench/results/step-costs.md``).
+        input arrays and allocating every output at each step (greedy decoding of SmolLM2's
+        int4 build ran 1.04× as fast: ``bench/bound_cache.py``, ``bench/results/README.md``).
 
         Returns ``next_token_ids`` (and ``logits``) as new arrays, and the ``present.*``
         outputs as the bound arrays, which the next step of the same cache and shape
@@ -333,9 +341,11 @@ class OrtEngine:
         if with_logits:
             out["logits"] = out["logits"].copy()
         with self._bindings_lock:
-            shapes[0][key] = bound
-            while len(shapes[0]) > KEPT_SHAPES:
-                shapes[0].pop(next(iter(shapes[0])))
+            kept = shapes[0]
+            kept[key] = bound
+            while len(kept) > KEPT_SHAPES or (len(kept) > 1 and sum(b.nbytes for b in kept.values())
+                                                  > KEPT_CACHE_BYTES):
+                kept.pop(next(iter(kept)))  # the least recently run
         return out
 
     def _run_shared(self, feeds: dict, with_logits: bool) -> dict:
