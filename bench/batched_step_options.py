@@ -24,6 +24,11 @@ Usage:
 Prints one markdown table: milliseconds per option and the ratios serial/pool,
 serial/regions, pool/bound and regions/bound. Give two artifacts (e.g. one built before
 AttentionRows skipped masked blocks, one after) to alternate them within every round.
+
+Since 2026-12-06 the caches' feeds here are their own views, so on integer-path builds every
+option's steps run on ONNX Runtime bindings of the cache buffers kept from step to step, as
+the runtime's do (``OrtEngine.run``, ``bench/bound_cache.py``); figures from before that date
+include feeding new views at every step.
 """
 
 from __future__ import annotations

@@ -213,11 +213,13 @@ class KVCache:
     def writes_since(self, revision: int) -> list | None:
         """The writes after ``revision``, oldest first: ``(revision, first row, source,
         rows, count)``. For an append of a ``sequence-major`` cache ``source`` is the
-        ``present.0.key`` output it copied from, ``rows`` the step rows it kept (None:
-        the first ``count``; ``source`` is None once that output no longer exists) and
-        ``count`` the rows written; for any other write ``source`` is None and the rows
-        from ``first row`` on may have changed. None when
-        the log no longer reaches back to ``revision`` (every row may have changed)."""
+        ``present.0.key`` output it copied from (None once that output no longer exists),
+        ``rows`` the step rows it kept (None: the first ``count``) and ``count`` the rows
+        written; for any other write ``source`` is None and the rows from ``first row`` on
+        may have changed. None when the log no longer reaches back to ``revision`` (every
+        row may have changed). An output that still exists may have been overwritten by a
+        later step on an engine that returns bound arrays (the ONNX Runtime CPU engine's
+        bound-buffer path); the log's readers, device mirrors, never run on such engines."""
         if revision == self.revision:
             return []
         if revision > self.revision or not self._writes or self._writes[0][0] > revision + 1:

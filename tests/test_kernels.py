@@ -927,6 +927,28 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     with pytest.raises(EngineError, match=r"^attention_mask is \[1, 1, 1, 3\], not \[1, 1, 1, 4\] for 3 cached "
                                           r"tokens and a step of 1$"):
         plain(feeds)
+    # feeds the bound path does not take: a missing input, another dtype (refused alike every time)
+    feeds = {**causal_feeds([4], 3), **cache.feeds()}
+    del feeds["logits_positions"]
+    for _ in range(2):
+        with pytest.raises(EngineError, match=r"^ONNX Runtime step failed: .*logits_positions"):
+            plain(feeds)
+    feeds = {**causal_feeds([4], 3), **cache.feeds()}
+    feeds["position_ids"] = feeds["position_ids"].astype(np.int32)
+    for _ in range(2):
+        with pytest.raises(EngineError, match=r"^ONNX Runtime step failed: .*Actual: \(tensor\(int32\)\)"):
+            plain(feeds)
+    # a history that shrinks (set by hand, as a pool's when its last request leaves): the bound mask's
+    # columns past the new length are False again (the views' bits, compared by run above)
+    for at in range(3, 12):
+        cache.append(plain({**causal_feeds([at], at), **cache.feeds()}))
+    before = dict(counts)
+    for length in (12, 12, 5, 5, 9):
+        cache.length = length
+        engine.run({**causal_feeds([7], length), **cache.feeds()})
+    assert counts["compared"] == before["compared"] + 5 and counts["bound"] >= before["bound"] + 4
+    cache.length = 3
+    engine._bound.pop(cache)
     # what a cache keeps bound: shapes of 1…4 tokens, each run twice (bound the second time), in a budget
     # of two one-token shapes' bytes: the latest shape alone is left, and the next step of the dropped
     # one-token shape is its first sight again

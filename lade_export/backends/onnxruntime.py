@@ -32,6 +32,9 @@ KEPT_STEP_BYTES = 1 << 20
 #: Most bytes of the bound shapes' own arrays kept per cache (the oldest shapes are dropped).
 KEPT_CACHE_BYTES = 8 << 20
 
+#: The step graph's inputs besides the cache (:mod:`lade_export.specs`).
+SMALL_INPUTS = ("input_ids", "position_ids", "logits_positions", "attention_mask")
+
 
 def bound_columns(length: int, capacity: int) -> int:
     """Cache columns a step over ``length`` cached tokens binds on the bound-buffer path: the
@@ -267,7 +270,7 @@ class OrtEngine:
                 return self._run_device(feeds, with_logits, cache)
         if self.attention_skips and self.device_memory is None and self.session_provider == "cpu":
             owned = cache_of_feeds(feeds)
-            if owned is not None and owned[0].dtype == self.kv_dtype and np.shape(feeds["input_ids"])[0] == 1:
+            if owned is not None and owned[0].dtype == self.kv_dtype and self._bindable(feeds):
                 cache, length = owned
                 columns, step = bound_columns(length, cache.capacity), np.shape(feeds["input_ids"])[1]
                 logits = np.shape(feeds["logits_positions"])[1] * self.dims.vocab * 4 if with_logits else 0
@@ -284,6 +287,18 @@ class OrtEngine:
             return dict(zip(names, self.session.run(names, feeds)))
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+
+    @staticmethod
+    def _bindable(feeds: dict) -> bool:
+        """Whether the small inputs are what a bound step copies without converting: int64
+        ``input_ids``, ``position_ids`` [1, step] and ``logits_positions`` [1, n], a bool mask
+        [1, 1, step, ·]. Other feeds (another dtype, a missing input, batch > 1) take the
+        views path, where ONNX Runtime accepts or refuses them as it always has."""
+        ids, positions, rows, mask = (feeds.get(n) for n in SMALL_INPUTS)
+        return all(isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == 2 and a.shape[0] == 1
+                   for a in (ids, positions, rows)) and positions.shape == ids.shape \
+            and isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim == 4 \
+            and mask.shape[:3] == (1, 1, ids.shape[1])
 
     def _run_bound(self, feeds: dict, with_logits: bool, cache, length: int, columns: int) -> dict | None:
         """``run`` for feeds whose cache is a ``sequence-major`` :class:`~lade_export.kv_cache.KVCache`'s
@@ -323,8 +338,10 @@ class OrtEngine:
                     shapes[1].pop(next(iter(shapes[1])))
                 return None
         if bound is None:
-            bound = _BoundStep(self.session, cache, columns, step, n_logits, with_logits, self.dims.vocab,
-                               self.kv_dtype)
+            session = self.session
+            if session is None:  # closed since run() looked
+                raise GenerationError("the model was closed (Model.close); load it again to decode")
+            bound = _BoundStep(session, cache, columns, step, n_logits, with_logits, self.dims.vocab, self.kv_dtype)
         bound.input_ids[...] = ids
         bound.position_ids[...] = feeds["position_ids"]
         bound.logits_positions[...] = feeds["logits_positions"]
@@ -332,8 +349,11 @@ class OrtEngine:
         widened[..., :length] = mask[..., :length]
         widened[..., length:columns] = False
         widened[..., columns:] = mask[..., length:]
+        session = self.session
+        if session is None:
+            raise GenerationError("the model was closed (Model.close); load it again to decode")
         try:
-            self.session.run_with_iobinding(bound.binding)
+            session.run_with_iobinding(bound.binding)
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
         out = dict(bound.outputs)
