@@ -17,6 +17,7 @@ from lade_export.profile import LookaheadProfile, resolve_profile
 from lade_export.runtime import Decoder
 
 from .conftest import tiny_checkpoint
+from .threads import run_in_threads
 
 PROFILES = [resolve_profile("default"), resolve_profile("small"), LookaheadProfile(4, 3, 4, lookup=4)]
 
@@ -132,8 +133,7 @@ def test_a_requests_cache_is_bound_once_and_threads_share_the_engine(both):
     """The I/O binding of a request's cache buffers is made at its first step and reused
     (a step binds only its small inputs and outputs); requests on several threads, each
     with its own buffers, decode what they decode alone."""
-    import threading
-
+    
     fused_dir, _, plain_dir, _ = both
     fused, plain = _decoder(fused_dir), _decoder(plain_dir)
     made = []
@@ -161,11 +161,7 @@ def test_a_requests_cache_is_bound_once_and_threads_share_the_engine(both):
     def run(i):
         got[i] = fused.generate(prompts[i], 40, resolve_profile("default")).token_ids
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(prompts))
     assert got == [a.token_ids for a in alone]
 
 

@@ -15,7 +15,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -32,8 +31,10 @@ from lade_export.export.weight_blocks import dequantize_block_lanes, pack_block_
 
 try:
     from .test_property import PROMPTS_AND_PROFILES
+    from .threads import run_in_threads
 except ImportError:  # imported as a top-level module by this file's subprocess checks (tests/ on sys.path)
     from test_property import PROMPTS_AND_PROFILES
+    from threads import run_in_threads
 
 
 @pytest.fixture(scope="module")
@@ -839,11 +840,7 @@ def test_the_int8_graph_reads_its_cache_in_place_and_batches_in_regions(stories_
             seen.append(len(scheduler.pool._region))
         got[i] = [t for c in chunks for t in c.token_ids]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(specs))
     assert got == solo
     assert max(seen) == 3  # three regions at once
     assert scheduler.pool.used == 0 and scheduler.active_requests == 0
@@ -902,11 +899,7 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
         ids, n, prof = specs[i]
         got[i] = [t for c in scheduler.stream(ids, n, prof) for t in c.token_ids]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(specs))
     scheduler.close()
     assert got == solo and counts["compared"] > steps + 10
     assert counts["bound"] - 1.9 * steps > counts["compared"] - steps  # most passes of the pool were bound
@@ -1093,11 +1086,7 @@ def test_threads_share_a_lade_engine(stories_lade):
     def run(i):
         got[i] = model.generate(prompts[i], max_new_tokens=48, profile="default").token_ids
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(prompts))
     assert got == alone
 
 

@@ -18,6 +18,7 @@ from lade_export.scheduler import Scheduler
 
 from .engine_wrappers import WrappedEngine
 from .test_tensorrt_double import V10, art10  # noqa: F401 - a session fixture: stories260K's TensorRT engines (double)
+from .threads import run_in_threads
 
 # (prompt case, profile, sampling, stop strings, max_new_tokens): eight requests that differ in every rule.
 REQUESTS = [
@@ -68,11 +69,7 @@ def _run_concurrently(scheduler, reference_greedy, specs) -> list:
     def run(i):
         results[i] = collect(_submit(scheduler, reference_greedy, specs[i]))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(specs))
     scheduler.close()
     return results
 
@@ -354,11 +351,7 @@ def test_generate_from_many_threads_with_batching_equals_the_unbatched_model(mod
     def run(i):
         got[i] = batched.generate(**API_REQUESTS[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(API_REQUESTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(API_REQUESTS))
     for kw, g, w in zip(API_REQUESTS, got, want):
         assert (g.token_ids, g.text, g.stop_reason) == (w.token_ids, w.text, w.stop_reason), kw
     assert max(n for n, _ in batched.scheduler.pass_shapes) >= 3

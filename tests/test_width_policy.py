@@ -17,6 +17,8 @@ from lade_export.ngram import build_trie, step_template
 from lade_export.width_policy import (AdaptiveWidth, CostCurve, OnlineCostCurve, Option, ProfileWidth, make_policy,
                                       narrowed, width_caps)
 
+from .threads import run_in_threads
+
 
 def _menu(candidates_tokens=1.6, profile_tokens=2.0, candidates_rows=5, profile_rows=12):
     return [Option("one-token", ONE_TOKEN, 1, 1.0), Option("candidates", StepCap(0, 2, 6), candidates_rows,
@@ -395,11 +397,7 @@ def test_smollm2_adaptive_widths_keep_concurrent_requests_equal_to_their_solo_ru
         p, n, prof, s = reqs[i]
         results[i] = scheduler.generate(p, n, prof, sampling=s)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, len(reqs))
     scheduler.close()
     for got, want in zip(results, solo):
         assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
