@@ -196,7 +196,7 @@ class OrtEngine:
         self._bindings_lock = threading.Lock()
         # KVCache -> ({(columns, step, n_logits, with_logits): _BoundStep}, {shape seen once: True})
         self._bound = weakref.WeakKeyDictionary()
-        self.session_provider = provider
+        self._provider = provider
         self._addresses = {}  # id(cache buffer) -> (weak reference, address)
         if self.kv_layout == "head-major-shared":
             self._shared = {past_key_name(i): present_key_name(i) for i in range(dims.num_layers)}
@@ -256,8 +256,7 @@ class OrtEngine:
             EngineError: ONNX Runtime failed to run the feeds (first line of its message).
             GenerationError: the engine was closed (:meth:`close`).
         """
-        if self.session is None:
-            raise GenerationError("the model was closed (Model.close); load it again to decode")
+        self._open_session()
         if self._shared:
             return self._run_shared(feeds, with_logits)
         if self.device_memory is not None:
@@ -268,14 +267,15 @@ class OrtEngine:
                     and all(getattr(feeds[n], "base", None) is (cache.keys if n.endswith(".key") else cache.values)[
                         int(n.split(".")[1])] for n in self._past_names):
                 return self._run_device(feeds, with_logits, cache)
-        if self.attention_skips and self.device_memory is None and self.session_provider == "cpu":
+        if self.attention_skips and self.device_memory is None and self._provider == "cpu":
             owned = cache_of_feeds(feeds)
             if owned is not None and owned[0].dtype == self.kv_dtype and self._bindable(feeds):
                 cache, length = owned
-                columns, step = bound_columns(length, cache.capacity), np.shape(feeds["input_ids"])[1]
-                logits = np.shape(feeds["logits_positions"])[1] * self.dims.vocab * 4 if with_logits else 0
+                columns = bound_columns(length, cache.capacity)
+                step, n_logits = feeds["input_ids"].shape[1], feeds["logits_positions"].shape[1]
+                logits = n_logits * self.dims.vocab * 4 if with_logits else 0
                 if step * (columns + step) + logits <= KEPT_STEP_BYTES:
-                    out = self._run_bound(feeds, with_logits, cache, length, columns)
+                    out = self._run_bound(feeds, with_logits, cache, length, columns, step, n_logits)
                     if out is not None:
                         return out
         names = self._all_outputs if with_logits else self._fast_outputs
@@ -287,6 +287,13 @@ class OrtEngine:
             return dict(zip(names, self.session.run(names, feeds)))
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
             raise EngineError(f"ONNX Runtime step failed: {str(err).splitlines()[0]}") from None
+
+    def _open_session(self):
+        """The ONNX Runtime session. Raises GenerationError once :meth:`close` has run."""
+        session = self.session
+        if session is None:
+            raise GenerationError("the model was closed (Model.close); load it again to decode")
+        return session
 
     @staticmethod
     def _bindable(feeds: dict) -> bool:
@@ -300,14 +307,15 @@ class OrtEngine:
             and isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim == 4 \
             and mask.shape[:3] == (1, 1, ids.shape[1])
 
-    def _run_bound(self, feeds: dict, with_logits: bool, cache, length: int, columns: int) -> dict | None:
+    def _run_bound(self, feeds: dict, with_logits: bool, cache, length: int, columns: int, step: int,
+                   n_logits: int) -> dict | None:
         """``run`` for feeds whose cache is a ``sequence-major`` :class:`~lade_export.kv_cache.KVCache`'s
         own views of ``length`` tokens (:func:`~lade_export.kv_cache.cache_of_feeds`) on a graph
-        whose attention skips masked key blocks (:attr:`attention_skips`): the first ``columns``
-        columns of the cache's buffers (:func:`bound_columns`) are the past inputs, bound once
-        per cache and step shape (:class:`_BoundStep`), and the mask is widened to them — the
-        given mask's cache columns ``[0, length)``, then False up to ``columns``, then its step
-        columns. Masked keys add nothing to a row's bits (``tests/test_kernels.py``), so the
+        whose attention skips masked key blocks (:attr:`attention_skips`), a step of ``step`` rows
+        reading ``n_logits`` logit rows: the first ``columns`` columns of the cache's buffers
+        (:func:`bound_columns`) are the past inputs, bound once per cache and step shape
+        (:class:`_BoundStep`), and the mask is widened to them — the given mask's cache
+        columns ``[0, length)``, then False up to ``columns``, then its step columns. Masked keys add nothing to a row's bits (``tests/test_kernels.py``), so the
         outputs are the bits the views give; what it saves is ONNX Runtime taking 60-odd new
         input arrays and allocating every output at each step (greedy decoding of SmolLM2's
         int4 build ran 1.04× as fast: ``bench/bound_cache.py``, ``bench/results/README.md``).
@@ -319,13 +327,13 @@ class OrtEngine:
 
         Raises:
             EngineError: the mask is not [1, 1, step, length + step], or ONNX Runtime failed.
+            GenerationError: the engine was closed (:meth:`close`).
         """
-        ids = feeds["input_ids"]
-        step, n_logits = np.shape(ids)[1], np.shape(feeds["logits_positions"])[1]
         mask = feeds["attention_mask"]
         if np.shape(mask) != (1, 1, step, length + step):
             raise EngineError(f"attention_mask is {list(np.shape(mask))}, not [1, 1, {step}, {length + step}] "
                               f"for {length} cached tokens and a step of {step}")
+        session = self._open_session()  # close() may have run since run() looked
         key = (columns, step, n_logits, bool(with_logits))
         with self._bindings_lock:
             shapes = self._bound.get(cache)
@@ -338,20 +346,14 @@ class OrtEngine:
                     shapes[1].pop(next(iter(shapes[1])))
                 return None
         if bound is None:
-            session = self.session
-            if session is None:  # closed since run() looked
-                raise GenerationError("the model was closed (Model.close); load it again to decode")
             bound = _BoundStep(session, cache, columns, step, n_logits, with_logits, self.dims.vocab, self.kv_dtype)
-        bound.input_ids[...] = ids
+        bound.input_ids[...] = feeds["input_ids"]
         bound.position_ids[...] = feeds["position_ids"]
         bound.logits_positions[...] = feeds["logits_positions"]
         widened = bound.mask
         widened[..., :length] = mask[..., :length]
         widened[..., length:columns] = False
         widened[..., columns:] = mask[..., length:]
-        session = self.session
-        if session is None:
-            raise GenerationError("the model was closed (Model.close); load it again to decode")
         try:
             session.run_with_iobinding(bound.binding)
         except Exception as err:  # onnxruntime's Fail / InvalidArgument
