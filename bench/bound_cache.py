@@ -12,7 +12,7 @@ decode tokens/s, the median over (prompt, round) pairs of bound / views, and whe
 output of both paths is the same token for token.
 
 With ``--concurrency N`` > 1 the model is loaded with ``batching=True`` and N client threads
-keep N requests in flight (a closed loop over the prompts, ``--requests`` per run): the
+keep N requests in flight (``serve_load.closed_loop`` over the prompts, ``--requests`` per run): the
 scheduler's packed passes over its pool, bound or not; the ratio is then of aggregate tokens/s
 per run, one run of each path per round.
 
@@ -30,8 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lade_export  # noqa: E402
 from lade_export.backends import onnxruntime as ort_backend  # noqa: E402
 from lade_export.kv_cache import cache_of_feeds  # noqa: E402
+from serve_load import closed_loop  # noqa: E402
 
 PATHS = {"bound": cache_of_feeds, "views": lambda feeds: None}
 
@@ -57,39 +56,23 @@ def one_by_one(model, prompts, profile, max_new_tokens, rounds):
     return rates, same
 
 
-def closed_loop(model, prompts, profile, max_new_tokens, rounds, concurrency, requests):
-    """``{path: [aggregate tokens/s per round]}`` and whether every output matched."""
+def batched(model, prompts, profile, max_new_tokens, rounds, concurrency, requests):
+    """``{path: [aggregate tokens/s per round]}`` (one :func:`serve_load.closed_loop` of
+    ``requests`` requests per path and round) and whether every output matched."""
     rates = {path: [] for path in PATHS}
-    outputs, same = {}, [True]
+    outputs, same = {}, True
 
-    def run():
-        queue, lock, tokens = list(range(requests)), threading.Lock(), [0]
-
-        def client():
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    i = queue.pop()
-                prompt = prompts[i % len(prompts)]
-                result = model.generate(prompt, max_new_tokens=max_new_tokens, profile=profile)
-                with lock:
-                    tokens[0] += len(result.token_ids)
-                    same[0] &= outputs.setdefault(prompt, result.token_ids) == result.token_ids
-
-        t0 = time.perf_counter()
-        clients = [threading.Thread(target=client) for _ in range(concurrency)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
-        return tokens[0] / (time.perf_counter() - t0)
+    def send(prompt, state):
+        return {"text": prompt, "ids": model.generate(prompt, max_new_tokens=max_new_tokens, profile=profile).token_ids}
 
     for r in range(rounds):
         for path in (("views", "bound") if r % 2 == 0 else ("bound", "views")):
             ort_backend.cache_of_feeds = PATHS[path]
-            rates[path].append(run())
-    return rates, same[0]
+            records, wall = closed_loop(send, prompts, concurrency, requests)
+            rates[path].append(sum(len(rec["ids"]) for rec in records) / wall)
+            for rec in records:
+                same &= outputs.setdefault(rec["text"], rec["ids"]) == rec["ids"]
+    return rates, same
 
 
 def main() -> None:
@@ -114,8 +97,8 @@ def main() -> None:
     model.generate(prompts[0], max_new_tokens=16)  # warm-up
     for profile in args.profile:
         if args.concurrency > 1:
-            rates, same = closed_loop(model, prompts, profile, args.max_new_tokens, args.rounds, args.concurrency,
-                                      args.requests)
+            rates, same = batched(model, prompts, profile, args.max_new_tokens, args.rounds, args.concurrency,
+                                  args.requests)
         else:
             rates, same = one_by_one(model, prompts, profile, args.max_new_tokens, args.rounds)
         ratios = [b / v for b, v in zip(rates["bound"], rates["views"])]
