@@ -115,6 +115,26 @@ def test_buffers_of_4_mib_and_more_live_in_their_own_mapping_and_behave_as_numpy
         assert owner_of(big.feeds()["past_key_values.0.key"]) is big
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dims, capacity", [(DIMS, 5), (DIMS, 63), (WIDE, 300), (WIDE, 8192)],
+                         ids=["tiny", "odd", "small", "mapped"])
+def test_every_cache_buffer_starts_on_a_64_byte_line_and_is_zero(stacked, dims, capacity):
+    """The attention kernels ask for whole 64-byte lines of a key row: a buffer numpy would put 16
+    bytes off a line (np.zeros of a few hundred KB does) starts on one, in either layout and dtype,
+    zeroed, writable, and found again by owner_of."""
+    layouts = ["sequence-major"] if stacked else ["sequence-major", "head-major-shared"]
+    for layout in layouts:
+        for dtype in (np.float16, np.float32):
+            cache = KVCache(dims, capacity=capacity, layout=layout, dtype=dtype, stacked=stacked, step_room=3)
+            for buffer in cache.keys + cache.values:
+                assert buffer.ctypes.data % 64 == 0, (layout, dtype, buffer.ctypes.data % 64)
+                assert buffer.flags.writeable and buffer.flags.c_contiguous and not buffer.any()
+                assert buffer.dtype == dtype
+            if not stacked:
+                assert owner_of(cache.keys[0]) is cache and owner_of(cache.keys[0][:, :2]) is cache
+                assert owner_of(cache.values[0]) is None
+
+
 @pytest.mark.skipif(not hasattr(mmap, "MAP_PRIVATE"), reason="no private mappings here: kv_cache.zeros is np.zeros")
 def test_owner_of_finds_a_mapped_cache_from_its_buffer_or_a_view_in_either_layout():
     """owner_of takes a whole buffer (head-major-shared feeds) or a view of one (sequence-major):

@@ -1556,13 +1556,21 @@ LADE_ATTN512 __attribute__((always_inline)) inline void transpose16(const T* key
   }
 }
 
-// Asks for the n rows of `bytes` bytes at base, base + stride, … (floats) to be brought into the cache
-// ahead of use: data movement only (a prefetch neither faults nor changes any value).
+// Asks for the n rows of `bytes` bytes at base, base + stride, … (elements) to be brought into the
+// level-2 cache ahead of use, every 64-byte line a row touches (three for a 128-byte row that does not
+// start on a line): data movement only (a prefetch neither faults nor changes any value).
+// The sweeps below ask for the cache block kAheadBlocks ahead. A one-token step of SmolLM2's int4 build
+// on two threads of a Zen 4 VM, a cache on 64-byte lines, against asking for the next block into level 1
+// (bench/results/step-costs.md): 0.94× at 256 cached tokens, 0.88× at 512, 0.79× at 1024; asking into
+// level 1 two blocks ahead gained nothing.
+constexpr int64_t kAheadBlocks = 2;
 template <typename T>
 LADE_ATTN512 inline void prefetch_rows(const T* base, int64_t stride, int64_t n, int64_t bytes) {
-  for (int64_t c = 0; c < n; ++c)
-    for (int64_t at = 0; at < bytes; at += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + c * stride) + at, _MM_HINT_T0);
+  for (int64_t c = 0; c < n; ++c) {
+    const uintptr_t row = reinterpret_cast<uintptr_t>(base + c * stride);
+    for (uintptr_t line = row & ~uintptr_t(63); line < row + static_cast<uintptr_t>(bytes); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+  }
 }
 
 // Scores of N rows over one cache block read from the sequence-major cache itself (keys: the block's
@@ -1669,11 +1677,14 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
       else value_run<DV, N, false>(acc, value, d, j0, end, masked, w, vmask);
       continue;
     }
-    if (job.in_place && at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next cache block's values
-      const int64_t j1 = blocks[at + 1] * kKeys, next = ((bi * p + j1) * kv + h) * d, n1 = std::min(kKeys, p - j1);
-      if (job.pv16) prefetch_rows(job.pv16 + next, kv * d, n1, 2 * d);
-      else prefetch_rows(job.pv + next, kv * d, n1, 4 * d);
-    }
+    // the values of the cache blocks kAheadBlocks on (at the first block, of every block up to there)
+    for (int64_t ahead = at == 0 ? 1 : kAheadBlocks; job.in_place && ahead <= kAheadBlocks; ++ahead)
+      if (at + ahead < nblocks && blocks[at + ahead] < job.nb_p) {
+        const int64_t j1 = blocks[at + ahead] * kKeys, next = ((bi * p + j1) * kv + h) * d;
+        const int64_t n1 = std::min(kKeys, p - j1);
+        if (job.pv16) prefetch_rows(job.pv16 + next, kv * d, n1, 2 * d);
+        else prefetch_rows(job.pv + next, kv * d, n1, 4 * d);
+      }
     // One loop per kind of value row, every (row, element) loop unrolled, so that the accumulators stay in
     // registers (as one loop with the kind tested per key, they were stored to the stack at every key).
     if (!part && job.pv16) {  // the float16 cache, sequence-major
@@ -1811,11 +1822,14 @@ LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, st
   if (job.direct)  // the cache's blocks straight from the sequence-major cache (no tiles were made)
     for (; at < nblocks && blocks[at] < job.nb_p; ++at) {
       const int64_t j0 = blocks[at] * kKeys, width = std::min(kKeys, p - j0), first = ((bi * p + j0) * kv + h) * d;
-      if (at + 1 < nblocks && blocks[at + 1] < job.nb_p) {  // the next block's keys, while this one is computed
-        const int64_t j1 = blocks[at + 1] * kKeys, next = ((bi * p + j1) * kv + h) * d, n1 = std::min(kKeys, p - j1);
-        if (job.pk16) prefetch_rows(job.pk16 + next, kv * d, n1, 2 * d);
-        else prefetch_rows(job.pk + next, kv * d, n1, 4 * d);
-      }
+      // the keys of the blocks kAheadBlocks on, while this one is computed (at the first, of every block up to there)
+      for (int64_t ahead = at == 0 ? 1 : kAheadBlocks; ahead <= kAheadBlocks; ++ahead)
+        if (at + ahead < nblocks && blocks[at + ahead] < job.nb_p) {
+          const int64_t j1 = blocks[at + ahead] * kKeys, next = ((bi * p + j1) * kv + h) * d;
+          const int64_t n1 = std::min(kKeys, p - j1);
+          if (job.pk16) prefetch_rows(job.pk16 + next, kv * d, n1, 2 * d);
+          else prefetch_rows(job.pk + next, kv * d, n1, 4 * d);
+        }
       float* dst[kGroupRows];
       for (int r = 0; r < n; ++r) dst[r] = scores[r] + j0;
 #define LADE_DIRECT(M)                                                                       \
