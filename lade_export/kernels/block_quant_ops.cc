@@ -415,20 +415,22 @@ LADE_VNNI512 void itile_vnni512(const IJob& job, int64_t tile, int64_t row) {
   __m512 y[T][R];
   for (int c = 0; c < T; ++c)
     for (int r = 0; r < R; ++r) y[c][r] = _mm512_setzero_ps();
-  // The first group of 4 or more rows streams the weights from memory while it computes on them, and
-  // the hardware's prefetchers fall behind: it asks for the next sweep's tiles (T tiles ahead, the
-  // same block) while this block is computed. Data movement only. Measured (bench/results/kernel-floor.md):
-  // 4-16 rows 10-25% faster when the weights come from memory, the same when the last-level cache holds
-  // them; 1-2 rows read as fast or faster without it.
-  const bool stream = R >= 4 && row == 0 && tile + 2 * T <= job.tiles;
+  // The first group of rows streams the weights from memory while it computes on them, and the
+  // hardware's prefetchers fall behind: it asks for the next sweep's tiles (T tiles ahead, the same
+  // block) while this block is computed, into level 2. Data movement only. Measured
+  // (bench/results/kernel-floor.md, step-costs.md): asked into level 1, 4-16 rows ran 10-25% faster
+  // when the weights came from memory and 1-2 rows no faster; into level 2 (2026-12-06, a Zen 4 VM,
+  // whole steps against level 1 from 4 rows), 1-2 rows 0.84-0.85×, 4 rows 0.85-0.97×, 8 rows
+  // 0.97-1.01×, 16 rows 0.94-0.96×.
+  const bool stream = row == 0 && tile + 2 * T <= job.tiles;
   for (int64_t b = 0; b < blocks; ++b) {
     if (stream) {
       for (int c = 0; c < T; ++c) {
         const int64_t ahead = (tile + T + c) * blocks + b;
-        for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), _MM_HINT_T0);
+        for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), _MM_HINT_T1);
         if ((b & 1) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), _MM_HINT_T1);
         }
       }
     }
@@ -618,14 +620,17 @@ LADE_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i codes, __m256i act) {
   __m256 y[2][R];                                                                                          \
   for (int h = 0; h < 2; ++h)                                                                              \
     for (int r = 0; r < R; ++r) y[h][r] = _mm256_setzero_ps();                                             \
-  const bool stream = R >= 4 && row == 0 && tile + 2 <= job.tiles; /* as itile_vnni512 */               \
+  /* as itile_vnni512, into level 2 for 1-3 rows (AVX2 forced on a Zen 4 VM: 1 row 0.87-1.01×, four runs) */ \
+  /* and level 1 from 4 rows (level 2 read 1.03-1.07× at 4 rows, 1.02× at 8) */                           \
+  const bool stream = row == 0 && tile + 2 <= job.tiles;                                                   \
   for (int64_t b = 0; b < blocks; ++b) {                                                                   \
     if (stream) {                                                                                          \
       const int64_t ahead = (tile + 1) * blocks + b;                                                       \
-      for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), _MM_HINT_T0); \
+      for (int g = 0; g < G; ++g)                                                                          \
+        _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1); \
       if ((b & 1) == 0) {                                                                                  \
-        _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), _MM_HINT_T0);                      \
-        _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), _MM_HINT_T0);                      \
+        _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1); \
+        _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1); \
       }                                                                                                    \
     }                                                                                                      \
     __m256i acc[2][R];                                                                                     \
