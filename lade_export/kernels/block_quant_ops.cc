@@ -623,14 +623,14 @@ LADE_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i codes, __m256i act) {
   /* as itile_vnni512, into level 2 for 1-3 rows (AVX2 forced on a Zen 4 VM: 1 row 0.87-1.01×, four runs) */ \
   /* and level 1 from 4 rows (level 2 read 1.03-1.07× at 4 rows, 1.02× at 8) */                           \
   const bool stream = row == 0 && tile + 2 <= job.tiles;                                                   \
+  constexpr auto hint = R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1;                                               \
   for (int64_t b = 0; b < blocks; ++b) {                                                                   \
     if (stream) {                                                                                          \
       const int64_t ahead = (tile + 1) * blocks + b;                                                       \
-      for (int g = 0; g < G; ++g)                                                                          \
-        _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1); \
+      for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(job.q + (ahead * G + g) * 64), hint); \
       if ((b & 1) == 0) {                                                                                  \
-        _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1); \
-        _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), R >= 4 ? _MM_HINT_T0 : _MM_HINT_T1); \
+        _mm_prefetch(reinterpret_cast<const char*>(job.d + ahead * 16), hint);                             \
+        _mm_prefetch(reinterpret_cast<const char*>(job.m + ahead * 16), hint);                             \
       }                                                                                                    \
     }                                                                                                      \
     __m256i acc[2][R];                                                                                     \
@@ -1578,6 +1578,20 @@ LADE_ATTN512 inline void prefetch_rows(const T* base, int64_t stride, int64_t n,
   }
 }
 
+// The rows of head h, batch entry bi, of the sequence-major cache blocks kAheadBlocks on from
+// blocks[at] (at the first block, of every block up to there): keys (half = pk16, full = pk) or
+// values (pv16, pv), whichever of the float16 or float32 cache the job has.
+LADE_ATTN512 inline void prefetch_ahead(const AttnJob& job, const int64_t* blocks, int64_t at, int64_t nblocks,
+                                        int64_t bi, int64_t h, const uint16_t* half, const float* full) {
+  const int64_t p = job.p, kv = job.kv, d = job.d;
+  for (int64_t ahead = at == 0 ? 1 : kAheadBlocks; ahead <= kAheadBlocks; ++ahead)
+    if (at + ahead < nblocks && blocks[at + ahead] < job.nb_p) {
+      const int64_t j = blocks[at + ahead] * kKeys, first = ((bi * p + j) * kv + h) * d, n = std::min(kKeys, p - j);
+      if (half) prefetch_rows(half + first, kv * d, n, 2 * d);
+      else prefetch_rows(full + first, kv * d, n, 4 * d);
+    }
+}
+
 // Scores of N rows over one cache block read from the sequence-major cache itself (keys: the block's
 // first key, stride KV·D; D a multiple of 16), 16 elements at a time transposed in registers: the
 // FMAs of group_scores over a [D, 16] tile, in the same order, without the tile.
@@ -1682,14 +1696,7 @@ LADE_ATTN512 void group_values(const AttnJob& job, int64_t bi, int64_t h, const 
       else value_run<DV, N, false>(acc, value, d, j0, end, masked, w, vmask);
       continue;
     }
-    // the values of the cache blocks kAheadBlocks on (at the first block, of every block up to there)
-    for (int64_t ahead = at == 0 ? 1 : kAheadBlocks; job.in_place && ahead <= kAheadBlocks; ++ahead)
-      if (at + ahead < nblocks && blocks[at + ahead] < job.nb_p) {
-        const int64_t j1 = blocks[at + ahead] * kKeys, next = ((bi * p + j1) * kv + h) * d;
-        const int64_t n1 = std::min(kKeys, p - j1);
-        if (job.pv16) prefetch_rows(job.pv16 + next, kv * d, n1, 2 * d);
-        else prefetch_rows(job.pv + next, kv * d, n1, 4 * d);
-      }
+    if (job.in_place) prefetch_ahead(job, blocks, at, nblocks, bi, h, job.pv16, job.pv);
     // One loop per kind of value row, every (row, element) loop unrolled, so that the accumulators stay in
     // registers (as one loop with the kind tested per key, they were stored to the stack at every key).
     if (!part && job.pv16) {  // the float16 cache, sequence-major
@@ -1827,14 +1834,7 @@ LADE_ATTN512 void attention_group(const AttnJob& job, const AttnGroup& group, st
   if (job.direct)  // the cache's blocks straight from the sequence-major cache (no tiles were made)
     for (; at < nblocks && blocks[at] < job.nb_p; ++at) {
       const int64_t j0 = blocks[at] * kKeys, width = std::min(kKeys, p - j0), first = ((bi * p + j0) * kv + h) * d;
-      // the keys of the blocks kAheadBlocks on, while this one is computed (at the first, of every block up to there)
-      for (int64_t ahead = at == 0 ? 1 : kAheadBlocks; ahead <= kAheadBlocks; ++ahead)
-        if (at + ahead < nblocks && blocks[at + ahead] < job.nb_p) {
-          const int64_t j1 = blocks[at + ahead] * kKeys, next = ((bi * p + j1) * kv + h) * d;
-          const int64_t n1 = std::min(kKeys, p - j1);
-          if (job.pk16) prefetch_rows(job.pk16 + next, kv * d, n1, 2 * d);
-          else prefetch_rows(job.pk + next, kv * d, n1, 4 * d);
-        }
+      prefetch_ahead(job, blocks.data(), at, nblocks, bi, h, job.pk16, job.pk);  // while this block is computed
       float* dst[kGroupRows];
       for (int r = 0; r < n; ++r) dst[r] = scores[r] + j0;
 #define LADE_DIRECT(M)                                                                       \
