@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kv_cache import zeros
 from .specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
 
 
@@ -69,13 +70,11 @@ def example_feeds(dims: ModelDims, step: int, past: int, batch: int = 1, seed: i
         numpy arrays keyed by input name; the cache is ``dtype`` [batch, past, kv_heads, head_dim]
         (``sequence-major``) or [batch, kv_heads, past+step, head_dim] (``head-major-shared``).
     """
-    from .kv_cache import zeros  # a runtime cache's buffers start on a cache line; so do these
-
     rng = np.random.default_rng(seed)
     one = causal_feeds(rng.integers(0, dims.vocab, size=step), past, logit_rows=np.arange(step))
     feeds = {name: np.repeat(value, batch, axis=0) for name, value in one.items()}
     for i in range(dims.num_layers):
-        for name in (past_key_name(i), past_value_name(i)):
+        for name in (past_key_name(i), past_value_name(i)):  # on a cache line, as a runtime cache's buffers
             feeds[name] = zeros((batch, past, dims.kv_heads, dims.head_dim), dtype)
             feeds[name][...] = rng.standard_normal(feeds[name].shape)
     return to_kv_layout(feeds, dims, kv_layout)
