@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import operator
 import weakref
 
 import numpy as np
@@ -49,6 +50,37 @@ _OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictiona
 #: id of the array a sequence-major cache's feeds are views of (its layer-0 key buffer, or a
 #: stacked cache's block) -> the cache (:func:`cache_of_feeds`)
 _VIEW_OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictionary()
+
+
+#: id of a :class:`StackedPresents` block -> that object (:meth:`KVCache.store_rows`).
+_PRESENT_BLOCKS: "weakref.WeakValueDictionary[int, StackedPresents]" = weakref.WeakValueDictionary()
+
+
+class StackedPresents:
+    """Output arrays for a step's ``present.*`` ([1, step, kv_heads, head_dim] each) that are
+    views of one block [2·layers, 1, step, kv_heads, head_dim]: the keys of layers 0 … L−1,
+    then their values, a stacked cache's order. An engine that binds its outputs to these
+    (:class:`lade_export.backends.onnxruntime.OrtEngine`'s bound steps) lets a stacked
+    :class:`KVCache` store a pass's kept rows in one copy from the block, where separate
+    outputs are first joined (:meth:`KVCache.store_rows`). The registration lives as long as
+    this object.
+
+    Args:
+        num_layers: decoder layers L.
+        step: rows of the step.
+        row_shape: ``(kv_heads, head_dim)``.
+        dtype: the cache's element type (float32 or float16).
+    """
+
+    def __init__(self, num_layers: int, step: int, row_shape: tuple, dtype):
+        self.block = np.zeros((2 * num_layers, 1, step, *row_shape), dtype)
+        names = [present_key_name(i) for i in range(num_layers)] + \
+            [present_value_name(i) for i in range(num_layers)]
+        #: the outputs' names, in the block's order
+        self.names = names
+        #: the outputs by name, each a view of :attr:`block`
+        self.views = dict(zip(names, self.block))
+        _PRESENT_BLOCKS[id(self.block)] = self
 
 
 #: numpy asks Linux for transparent huge pages on every array of this many bytes or more
@@ -285,9 +317,11 @@ class KVCache:
         """Copy rows ``src`` of every ``present.*`` output ([1, step, kv_heads, head_dim]) to
         columns ``dst`` of the matching buffers (``sequence-major``), every layer alike. A raw
         write: it changes neither :attr:`length` nor the write log (the caller records it,
-        :meth:`rewrote`). Stacked, the outputs are joined once and written in one operation;
-        otherwise one copy per buffer. Same values either way (a copy; a float32 output into a
-        float16 cache is rounded to nearest even, as any numpy assignment).
+        :meth:`rewrote`). Stacked, the outputs are joined once and written in one operation
+        (outputs that are the views of one :class:`StackedPresents` block are written from the
+        block, without the join); otherwise one copy per buffer. Same values either way (a
+        copy; a float32 output into a float16 cache is rounded to nearest even, as any numpy
+        assignment).
 
         Args:
             outputs: the step's outputs by name.
@@ -295,7 +329,13 @@ class KVCache:
             dst: columns, a slice or int [n] (as many as ``src``).
         """
         if self.stacked:
-            self._block[:, 0, dst] = np.concatenate([outputs[n] for n in self._present])[:, src]
+            first = outputs[self._present[0]]
+            presents = _PRESENT_BLOCKS.get(id(first.base)) if isinstance(first.base, np.ndarray) else None
+            if presents is not None and presents.block is first.base and presents.names == self._present \
+                    and all(map(operator.is_, map(outputs.__getitem__, self._present), presents.views.values())):
+                self._block[:, 0, dst] = presents.block[:, 0, src]  # the outputs are already one block
+            else:
+                self._block[:, 0, dst] = np.concatenate([outputs[n] for n in self._present])[:, src]
             return
         for name, buffer in zip(self._present, (*self.keys, *self.values)):
             buffer[0, dst] = outputs[name][0, src]

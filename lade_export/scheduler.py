@@ -85,10 +85,9 @@ pool in :mod:`lade_export.packed`, the width policy in :mod:`lade_export.width_p
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Iterator, NamedTuple
 
 import numpy as np
@@ -223,7 +222,7 @@ class _Request:
         self.state = state
         self.text = text
         self.stats = stats
-        self.out: queue.Queue = queue.Queue()
+        self.out: deque = deque()  # chunks not read yet (appended by the pass's thread, taken by the reader's)
         self.cancel = cancel
         self.deadline = deadline
         self.closed = threading.Event()
@@ -420,8 +419,8 @@ class Scheduler:
         other reader runs them (leader/follower: the thread that waits works)."""
         while True:
             try:
-                return req.out.get_nowait()
-            except queue.Empty:
+                return req.out.popleft()
+            except IndexError:
                 pass
             if self._lead.acquire(blocking=False):
                 try:
@@ -434,7 +433,7 @@ class Scheduler:
                 if worked:
                     continue
             with self._cond:  # another reader runs the pass, or every request is paused
-                if req.out.empty():
+                if not req.out:
                     self._cond.wait(timeout=0.005 if not self._lead.locked() else 0.05)
 
     def generate(self, prompt_ids, max_new_tokens: int, profile: LookaheadProfile | None = None, **kw
@@ -465,7 +464,7 @@ class Scheduler:
     # -- one iteration (run by whichever reader holds the lead) --------------------------------
 
     def _send(self, req: _Request, item) -> None:
-        req.out.put(item)
+        req.out.append(item)
 
     def _iterate(self) -> bool:
         """Admit waiting requests, plan and run one pass; False when there was nothing to run."""
@@ -495,7 +494,7 @@ class Scheduler:
 
     def _paused(self, req: _Request) -> bool:
         """Whether the request's consumer has ``max_unread`` chunks waiting (its decode steps skipped)."""
-        return req.ready and req.out.qsize() >= self.max_unread
+        return req.ready and len(req.out) >= self.max_unread
 
     def _expire_pending(self) -> bool:
         """Requests still waiting for admission that were closed, cancelled or timed out end

@@ -852,7 +852,8 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     KVCache's own views runs on a prefix of the cache's buffers bound once (the mask widened
     with False columns up to it): every output, logits and present keys/values, is the
     bits the same feeds give as the caller's own arrays (the views path), for greedy and
-    lookahead steps of one request and for the scheduler's packed passes over its pool; a
+    lookahead steps of one request and for the scheduler's packed passes over its pool (whose
+    bound presents are views of one block, :class:`~lade_export.kv_cache.StackedPresents`); a
     step whose widened mask would pass KEPT_STEP_BYTES (a long prefill) takes the views path."""
     from lade_export.backends import onnxruntime as ort_backend
     from lade_export.errors import EngineError
@@ -867,6 +868,10 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     def counted(*args, **kwargs):
         out = bound(*args, **kwargs)
         counts["bound" if out is not None else "first sight"] += 1
+        if out is not None and args[2].stacked:  # a pool's presents: views of one block, stored in one copy
+            block = out["present.0.key"].base
+            counts["pool"] += 1
+            counts["one block"] += all(out[n].base is block for n in out if n.startswith("present."))
         return out
 
     def both(feeds, with_logits=False, plan=None):
@@ -903,6 +908,7 @@ def test_steps_bound_to_a_caches_buffers_give_the_bits_of_its_views(stories_lade
     scheduler.close()
     assert got == solo and counts["compared"] > steps + 10
     assert counts["bound"] - 1.9 * steps > counts["compared"] - steps  # most passes of the pool were bound
+    assert counts["one block"] == counts["pool"] > 10
     # a step too wide for a kept mask: the views path (no step bound)
     monkeypatch.setattr(ort_backend, "KEPT_STEP_BYTES", 0)
     before = dict(counts)

@@ -6,7 +6,7 @@ import mmap
 import numpy as np
 import pytest
 
-from lade_export.kv_cache import KVCache, _runs, cache_of_feeds, owner_of
+from lade_export.kv_cache import KVCache, StackedPresents, _runs, cache_of_feeds, owner_of
 from lade_export.specs import ModelDims, past_key_name, present_key_name, present_value_name
 
 DIMS = ModelDims(num_layers=3, heads=4, kv_heads=2, head_dim=4, hidden=16, vocab=32, max_context=64,
@@ -76,6 +76,23 @@ def test_store_rows_writes_every_layer_alike_stacked_or_not(src, dst, dtype):
             assert np.array_equal(buffers(plain)[i], expect)
             assert np.array_equal(buffers(stacked)[i], expect)
     assert stacked.length == 0 and stacked.revision == 0  # a raw write: the caller records it
+    # outputs that are one StackedPresents block (a bound step's) are copied from it in one go: same columns
+    presents = StackedPresents(DIMS.num_layers, 8, (DIMS.kv_heads, DIMS.head_dim), dtype)
+    for name, view in presents.views.items():
+        view[...] = step[name]
+    assert all(np.shares_memory(v, presents.block) for v in presents.views.values())
+    replaced = dict(presents.views)  # one layer's output not the block's: the block is not taken as it is
+    replaced[present_value_name(1)] = step[present_value_name(1)] * 2
+    for outputs, doubled in ((dict(presents.views), False), (replaced, True)):
+        from_block = KVCache(DIMS, capacity=32, dtype=dtype, stacked=True)
+        from_block.keys[0][...] = -1
+        from_block.store_rows(outputs, src, dst)
+        for i in range(DIMS.num_layers):
+            for buffers, name in ((from_block.keys, present_key_name(i)), (from_block.values, present_value_name(i))):
+                expect = np.full((1, 32, DIMS.kv_heads, DIMS.head_dim), -1 if buffers[i] is from_block.keys[0] else 0,
+                                 dtype)
+                expect[0, dst] = step[name][0, src] * (2 if doubled and name == present_value_name(1) else 1)
+                assert np.array_equal(buffers[i], expect), (name, doubled)
     for cache in caches:
         cache.length = 31
     plain_feeds, stacked_feeds = plain.feeds(), stacked.feeds()  # the stacked views come from one slice

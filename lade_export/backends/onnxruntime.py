@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, BackendUnavailableError, EngineError, GenerationError, ProfileError
-from ..kv_cache import cache_of_feeds
+from ..kv_cache import StackedPresents, cache_of_feeds
 from ..specs import ModelDims, past_key_name, past_value_name, present_key_name, present_value_name
 
 
@@ -50,7 +50,9 @@ class _BoundStep:
     buffers ([1, columns, kv_heads, head_dim], the cache's dtype) and whose other inputs
     (``input_ids``, ``position_ids`` int64 [1, step], ``attention_mask`` bool [1, 1, step,
     columns + step], ``logits_positions`` int64 [1, n_logits]) and outputs are arrays of
-    this object, bound once; a step copies its small inputs into them and runs."""
+    this object, bound once; a step copies its small inputs into them and runs. A stacked
+    cache's (the scheduler's pool) ``present.*`` outputs are the views of one
+    :class:`~lade_export.kv_cache.StackedPresents` block, which the pool stores in one copy."""
 
     def __init__(self, session, cache, columns: int, step: int, n_logits: int, with_logits: bool, vocab: int,
                  kv_dtype):
@@ -63,11 +65,15 @@ class _BoundStep:
         if with_logits:
             self.outputs["logits"] = np.zeros((1, n_logits, vocab), np.float32)
         binding = session.io_binding()
+        # a stacked cache's presents are views of one block (its kept rows are then stored in one copy)
+        self.presents = StackedPresents(len(cache.keys), step, cache.keys[0].shape[2:], kv_dtype) \
+            if getattr(cache, "stacked", False) else None
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
             for name, buffer in ((past_key_name(i), keys), (past_value_name(i), values)):
                 binding.bind_input(name, "cpu", 0, kv_dtype, (1, columns, *buffer.shape[2:]), buffer.ctypes.data)
             for name in (present_key_name(i), present_value_name(i)):
-                self.outputs[name] = np.zeros((1, step, *keys.shape[2:]), kv_dtype)
+                self.outputs[name] = self.presents.views[name] if self.presents is not None \
+                    else np.zeros((1, step, *keys.shape[2:]), kv_dtype)
         for name in ("input_ids", "position_ids", "logits_positions"):
             array = getattr(self, name)
             binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
