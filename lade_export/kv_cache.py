@@ -73,7 +73,7 @@ class StackedPresents:
     """
 
     def __init__(self, num_layers: int, step: int, row_shape: tuple, dtype):
-        self.block = np.zeros((2 * num_layers, 1, step, *row_shape), dtype)
+        self.block = zeros((2 * num_layers, 1, step, *row_shape), dtype)  # on a line, as the cache
         names = [present_key_name(i) for i in range(num_layers)] + \
             [present_value_name(i) for i in range(num_layers)]
         #: the outputs' names, in the block's order

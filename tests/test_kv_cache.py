@@ -80,7 +80,7 @@ def test_store_rows_writes_every_layer_alike_stacked_or_not(src, dst, dtype):
     presents = StackedPresents(DIMS.num_layers, 8, (DIMS.kv_heads, DIMS.head_dim), dtype)
     for name, view in presents.views.items():
         view[...] = step[name]
-    assert all(np.shares_memory(v, presents.block) for v in presents.views.values())
+    assert all(np.shares_memory(v, presents.block) and v.ctypes.data % 64 == 0 for v in presents.views.values())
     replaced = dict(presents.views)  # one layer's output not the block's: the block is not taken as it is
     replaced[present_value_name(1)] = step[present_value_name(1)] * 2
     for outputs, doubled in ((dict(presents.views), False), (replaced, True)):
