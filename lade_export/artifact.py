@@ -72,6 +72,42 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def check_out(out: str | Path, force: bool = False, *, marker: str = MANIFEST,
+              what: str = "a lade-export build") -> Path:
+    """Whether ``out`` may become a new build (what :func:`atomic_directory` checks before
+    it starts, and a dry run reports); returns it resolved. Writes nothing.
+
+    Args:
+        out: the directory to create or replace.
+        force: replace an existing ``out`` written by lade-export.
+        marker: the file that proves an existing ``out`` was written by lade-export.
+        what: how the errors name such a directory.
+
+    Raises:
+        ArtifactError: ``out`` is empty, a dangling symbolic link, the working or home
+            directory or the root; it exists but is not ``what`` (no ``marker``: nothing
+            replaces it, ``force`` or not); it is ``what`` and ``force`` is false; its
+            parent is a file.
+    """
+    if not str(out).strip():
+        raise ArtifactError("--out is empty; give the artifact directory to create")
+    if Path(out).is_symlink() and not Path(out).exists():  # resolving it would build at its target, parents made
+        raise ArtifactError(f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist; give a new "
+                            "directory (or the link's target)")
+    out = Path(out).resolve()
+    if out == Path.cwd().resolve() or out == Path.home().resolve() or out.parent == out:
+        raise ArtifactError(f"refusing to build into {out}: give a new directory for --out")
+    if out.exists():
+        if not (out.is_dir() and (out / marker).is_file()):  # --force would not help: say so at once
+            raise ArtifactError(f"refusing to replace {out}: it is not {what} (no {marker}); give a new directory "
+                                "for --out")
+        if not force:
+            raise ArtifactError(f"{out} already exists; pass --force to replace it")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ArtifactError(f"parent of --out is not a directory: {out.parent}")
+    return out
+
+
 @contextlib.contextmanager
 def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANIFEST,
                      what: str = "a lade-export build"):
@@ -97,27 +133,12 @@ def atomic_directory(out: str | Path, force: bool = False, *, marker: str = MANI
     raises KeyboardInterrupt afterwards, with ``out`` the new complete directory.
 
     Raises:
-        ArtifactError: ``out`` exists and ``force`` is false; ``out`` exists but is not a
-            lade-export build (``force`` never deletes anything else); ``out`` is empty,
-            a dangling symbolic link, the working or home directory; or another build holds the lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
+        ArtifactError: what :func:`check_out` raises (``force`` never deletes anything but
+            a lade-export build); or another build holds the lock on ``out``. On any failure, SIGINT or SIGTERM inside the block, the
             temporary directory is removed and ``out`` is left as it was.
         KeyboardInterrupt: SIGINT or SIGTERM (above).
     """
-    if not str(out).strip():
-        raise ArtifactError("--out is empty; give the artifact directory to create")
-    if Path(out).is_symlink() and not Path(out).exists():  # resolving it would build at its target, parents made
-        raise ArtifactError(f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist; give a new "
-                            "directory (or the link's target)")
-    out = Path(out).resolve()
-    if out == Path.cwd().resolve() or out == Path.home().resolve() or out.parent == out:
-        raise ArtifactError(f"refusing to build into {out}: give a new directory for --out")
-    if out.exists():
-        if not force:
-            raise ArtifactError(f"{out} already exists; pass --force to replace it")
-        if not (out.is_dir() and (out / marker).is_file()):
-            raise ArtifactError(f"refusing to replace {out}: it is not {what} (no {marker})")
-    if out.parent.exists() and not out.parent.is_dir():
-        raise ArtifactError(f"parent of --out is not a directory: {out.parent}")
+    out = check_out(out, force, marker=marker, what=what)
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
 

@@ -407,6 +407,14 @@ CASES = [
      "it is not a lade-export build (no manifest.json)"),
     ("build-out-exists", lambda t, s, a: ["build", "--model", s, "--out", a], 2,
      "already exists; pass --force to replace it"),
+    # a dry run refuses what the build would refuse; a folder or file not a build is refused without
+    # --force as well (it would not help)
+    ("build-out-exists", lambda t, s, a: ["build", "--model", s, "--out", a, "--dry-run"], 2,
+     "already exists; pass --force to replace it"),
+    ("build-force-not-a-build", lambda t, s, a: ["build", "--model", s, "--out", _not_a_build(t)], 2,
+     "it is not a lade-export build (no manifest.json); give a new directory for --out"),
+    ("build-force-not-a-build", lambda t, s, a: ["build", "--model", s, "--out", _jsonl(t, "x"), "--dry-run"], 2,
+     "it is not a lade-export build (no manifest.json); give a new directory for --out"),
     ("peer-llama-cpp-missing", lambda t, s, a: _compare(t, a, "--peer", "llama.cpp-greedy"), 2,
      "the llama.cpp peers need llama.cpp's binaries: give --llama-cpp DIR or set LADE_LLAMA_CPP "
      "(build them with bench/build_llama_cpp.sh)"),

@@ -96,7 +96,7 @@ def build(source, profile_values, out, force, threads, engine, precision, block_
     for note in notes:
         click.echo(f"note: {note}", err=True)
     if dry_run:
-        plan = plan_dry_run(source, profiles, out, options, headers_at_hand)
+        plan = plan_dry_run(source, profiles, out, options, headers_at_hand, force=force)
         for note in plan.notes:
             click.echo(f"note: {note}", err=True)
         for line in plan.lines:

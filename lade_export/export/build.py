@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from ..artifact import atomic_directory, file_entries, write_json_atomic
+from ..artifact import atomic_directory, check_out, file_entries, write_json_atomic
 from ..backends.onnxruntime import OrtEngine
 from ..errors import BuildOptionError
 from ..graph import DecoderStep, export_onnx
@@ -191,20 +191,24 @@ class DryRun:
     lines: tuple[str, ...]
 
 
-def dry_run(source: str, profiles, out: str | Path, options: BuildOptions, headers_at_hand: bool = True) -> DryRun:
+def dry_run(source: str, profiles, out: str | Path, options: BuildOptions, headers_at_hand: bool = True,
+            force: bool = False) -> DryRun:
     """Load ``source`` and describe what :func:`build_artifact` would write at ``out`` with
     ``profiles`` and ``options``, without exporting or writing anything.
 
     Args:
         headers_at_hand: whether ONNX Runtime's headers are cached (``--kernels lade``:
             otherwise the build would download them first; :meth:`BuildOptions.prepare_kernels`).
+        force: the build's ``force`` (an existing build at ``out`` would be replaced).
 
     Raises:
+        ArtifactError: ``out`` is refused as the build would refuse it (:func:`lade_export.artifact.check_out`).
         BuildOptionError, ProfileError, ModelSourceError: as :func:`build_artifact` before its export.
     """
     from .optimization_profiles import describe_plan, engine_plans
 
     options.check(profiles)
+    check_out(out, force)
     step = DecoderStep(load_model(source).model)
     dims = step.dims
     attention = options.attention_for(dims)  # the build's checks that need the model, its messages
