@@ -159,6 +159,11 @@ def test_build_inspect_generate_on_stories(tmp_path, stories_dir, reference_gree
     proc = run_cli("inspect", out)
     assert proc.returncode == 0
     assert "past_key_values.{0..4}.key/.value" in proc.stdout and "[batch, past, 4, 8]" in proc.stdout
+    # the profiles' table: W, N, G, history lookup K and its branches B, max step (default: W=1 N=3 G=2 K=6 B=2)
+    rows = {cells[0]: cells[1:] for line in proc.stdout.splitlines()
+            if len(cells := [c.strip() for c in re.split("[│┃]", line.strip("│┃ "))]) == 7}
+    assert rows["name"] == ["W", "N", "G", "K", "B", "max step"]
+    assert rows["small"] == ["2", "3", "2", "0", "1", "9"] and rows["default"][:5] == ["1", "3", "2", "6", "2"]
 
     proc = run_cli("generate", out, "--prompt", "Once upon a time", "--max-new-tokens", "40", "--check-greedy")
     assert proc.returncode == 0, proc.stderr

@@ -208,10 +208,11 @@ def inspect(artifact_dir, as_json):
                       f"{rope.max_position_embeddings}" + (f", thresholds {list(rope.thresholds)}" if rope.thresholds
                                                            else ""))
     prof = Table(title="lookahead profiles")
-    for col in ("name", "W", "N", "G", "max step"):
+    for col in ("name", "W", "N", "G", "K", "B", "max step"):
         prof.add_column(col)
     for p in m.profiles:
-        prof.add_row(p.name, str(p.window), str(p.ngram), str(p.guesses), str(p.max_step))
+        prof.add_row(p.name, str(p.window), str(p.ngram), str(p.guesses), str(p.lookup), str(p.lookup_branches),
+                     str(p.max_step))
     console.print(prof)
     io = Table(title=f"graph {m.graph.file} (opset {m.graph.opset})")
     for col in ("", "name", "shape", "dtype"):
