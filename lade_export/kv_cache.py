@@ -52,6 +52,12 @@ _OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictiona
 _VIEW_OWNERS: "weakref.WeakValueDictionary[int, KVCache]" = weakref.WeakValueDictionary()
 
 
+def _block_present_names(num_layers: int) -> list[str]:
+    """``present.*`` output names in a stacked block's order: every layer's key, then every
+    layer's value."""
+    return [present_key_name(i) for i in range(num_layers)] + [present_value_name(i) for i in range(num_layers)]
+
+
 #: id of a :class:`StackedPresents` block -> that object (:meth:`KVCache.store_rows`).
 _PRESENT_BLOCKS: "weakref.WeakValueDictionary[int, StackedPresents]" = weakref.WeakValueDictionary()
 
@@ -74,12 +80,10 @@ class StackedPresents:
 
     def __init__(self, num_layers: int, step: int, row_shape: tuple, dtype):
         self.block = zeros((2 * num_layers, 1, step, *row_shape), dtype)  # on a line, as the cache
-        names = [present_key_name(i) for i in range(num_layers)] + \
-            [present_value_name(i) for i in range(num_layers)]
         #: the outputs' names, in the block's order
-        self.names = names
+        self.names = _block_present_names(num_layers)
         #: the outputs by name, each a view of :attr:`block`
-        self.views = dict(zip(names, self.block))
+        self.views = dict(zip(self.names, self.block))
         _PRESENT_BLOCKS[id(self.block)] = self
 
 
@@ -235,8 +239,7 @@ class KVCache:
         else:
             self.keys = [zeros(shape, self.dtype) for _ in range(dims.num_layers)]
             self.values = [zeros(shape, self.dtype) for _ in range(dims.num_layers)]
-        self._present = [present_key_name(i) for i in range(dims.num_layers)] + \
-            [present_value_name(i) for i in range(dims.num_layers)]
+        self._present = _block_present_names(dims.num_layers)
         self._shared_feeds = None  # feeds() of a head-major-shared cache, built once
         # (past key name, past value name, present key name, present value name) per layer
         self._names = [(past_key_name(i), past_value_name(i), present_key_name(i), present_value_name(i))
@@ -331,7 +334,8 @@ class KVCache:
         if self.stacked:
             first = outputs[self._present[0]]
             presents = _PRESENT_BLOCKS.get(id(first.base)) if isinstance(first.base, np.ndarray) else None
-            if presents is not None and presents.block is first.base and presents.names == self._present \
+            # (found by the block's id, which is unique while the block is alive: it is that block)
+            if presents is not None and presents.names == self._present \
                     and all(map(operator.is_, map(outputs.__getitem__, self._present), presents.views.values())):
                 self._block[:, 0, dst] = presents.block[:, 0, src]  # the outputs are already one block
             else:

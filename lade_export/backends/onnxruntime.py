@@ -67,7 +67,7 @@ class _BoundStep:
         binding = session.io_binding()
         # a stacked cache's presents are views of one block (its kept rows are then stored in one copy)
         self.presents = StackedPresents(len(cache.keys), step, cache.keys[0].shape[2:], kv_dtype) \
-            if getattr(cache, "stacked", False) else None
+            if cache.stacked else None
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
             for name, buffer in ((past_key_name(i), keys), (past_value_name(i), values)):
                 binding.bind_input(name, "cpu", 0, kv_dtype, (1, columns, *buffer.shape[2:]), buffer.ctypes.data)
