@@ -1082,6 +1082,43 @@ void run_quantize(void* data, size_t task) {
   quantize_rows(j, r0, std::min(r0 + kQuantizeRows, j.rows));
 }
 
+// The float32-compute path's view of the rows of X (Job::xs, Job::sums): each element scaled by
+// 2^(−bits·e), e its place in its lane word, and each block's plain sum Σ_j x_j in order j = 0 … 31,
+// every row alone. The scaling is a product with a power of two, exact (correctly rounded where it
+// lands among the subnormals, as ldexp is): the same bits as ldexp per element, which ran on the
+// calling thread while the other waited (whole steps 0.84-0.94× of that, 1-16 tokens: step-costs.md).
+struct ScaleJob {
+  const float* x;
+  int64_t k;
+  int bits;
+  int64_t blocks, rows;
+  float* xs;    // [rows, K]
+  float* sums;  // [rows, K/32]
+};
+
+constexpr int64_t kScaleRows = 8;  // rows per parallel task (a long prompt's chunk)
+
+void scale_rows(const ScaleJob& j, int64_t r0, int64_t r1) {
+  const int per = 32 / j.bits;
+  float power[kBlock];  // 2^(−bits·(i mod per)), exact
+  for (int i = 0; i < kBlock; ++i) power[i] = std::ldexp(1.0f, -j.bits * (i % per));
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const float* x = j.x + r * j.k + b * kBlock;
+      float* xs = j.xs + r * j.k + b * kBlock;
+      float s = 0.0f;
+      for (int i = 0; i < kBlock; ++i) s += x[i];
+      for (int i = 0; i < kBlock; ++i) xs[i] = x[i] * power[i];
+      j.sums[r * j.blocks + b] = s;
+    }
+}
+
+void run_scale(void* data, size_t task) {
+  const ScaleJob& j = *static_cast<const ScaleJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * kScaleRows;
+  scale_rows(j, r0, std::min(r0 + kScaleRows, j.rows));
+}
+
 struct MatMulKernel {
   int64_t n;
   int64_t compute;  // 0: float32, 1: int8 activations (the exact integer path)
@@ -1141,20 +1178,13 @@ struct MatMulKernel {
     job.k = k;
     job.rows = rows;
     job.y = yd;
-    // Each row's inputs, scaled per element (exact: powers of two) and summed per block, in
-    // the same order for every row count.
-    const int per = 32 / job.bits;
-    std::vector<float> scaled(static_cast<size_t>(job.rows * job.k)), sums(static_cast<size_t>(job.rows * p.blocks));
-    for (int64_t r = 0; r < job.rows; ++r)
-      for (int64_t b = 0; b < p.blocks; ++b) {
-        float s = 0.0f;
-        for (int j = 0; j < kBlock; ++j) {
-          const float v = xd[r * job.k + b * kBlock + j];
-          s += v;
-          scaled[r * job.k + b * kBlock + j] = std::ldexp(v, -job.bits * (j % per));
-        }
-        sums[r * p.blocks + b] = s;
-      }
+    // per calling thread, kept for the next call (ParallelFor's workers only read them while it waits)
+    thread_local std::vector<float> scaled, sums;
+    scaled.resize(static_cast<size_t>(rows * k));
+    sums.resize(static_cast<size_t>(rows * p.blocks));
+    ScaleJob scaling{xd, k, p.bits, p.blocks, rows, scaled.data(), sums.data()};
+    if (rows <= kScaleRows) scale_rows(scaling, 0, rows);  // each row alone: any split, the same bits
+    else ctx.ParallelFor(run_scale, static_cast<size_t>((rows + kScaleRows - 1) / kScaleRows), 0, &scaling);
     job.xs = scaled.data();
     job.sums = sums.data();
     job.chunk = 4;  // tiles (64 columns) per parallel task
