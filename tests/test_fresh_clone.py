@@ -46,10 +46,15 @@ def test_a_missing_prompt_set_says_how_to_point_at_one(tmp_path, monkeypatch):
         message = str(err)
     assert message == (f"dataset gsm8k not found at {tmp_path}/gsm8k/test.jsonl (from LADE_DATASETS); set LADE_DATASETS "
                        "to a folder holding mt_bench/question.jsonl, humaneval/HumanEval.jsonl.gz and gsm8k/test.jsonl "
-                       "(docs/datasets.md says where to get them), or give the path of a JSONL file of prompts instead "
-                       "of the name")
+                       "(gsm8k/test.jsonl: https://raw.githubusercontent.com/openai/grade-school-math/master/"
+                       "grade_school_math/data/test.jsonl; docs/datasets.md lists all three), or give the path of a "
+                       "JSONL file of prompts instead of the name")
     doc = (ROOT / "docs" / "errors.md").read_text()
-    assert message.split(" not found at ")[1].split("; ", 1)[1] in doc
+    rest = message.split(" not found at ")[1].split("; ", 1)[1]  # after the path: what errors.md's row gives
+    before, _, after = rest.partition("(gsm8k/test.jsonl: ")
+    assert before in doc and after.split("; ", 1)[1] in doc
+    from lade_export.evaluation.datasets import DATASET_SOURCES  # the addresses the errors give are the guide's
+    assert all(url in (ROOT / "docs" / "datasets.md").read_text() for url in DATASET_SOURCES.values())
     assert "LADE_DATASETS" in (ROOT / "docs" / "datasets.md").read_text()
 
 

@@ -20,6 +20,12 @@ DATASET_FILES = {
     "humaneval": "humaneval/HumanEval.jsonl.gz",
     "gsm8k": "gsm8k/test.jsonl",
 }
+#: Where each named workload's file comes from (upstream, under its own license; docs/datasets.md).
+DATASET_SOURCES = {
+    "mt_bench": "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "humaneval": "https://raw.githubusercontent.com/openai/human-eval/master/data/HumanEval.jsonl.gz",
+    "gsm8k": "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/test.jsonl",
+}
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
 
 
@@ -89,8 +95,8 @@ def load_prompts(name: str, limit: int | None = None, chat: bool = True, skip: i
             raise GenerationError(f"dataset {name} not found at {path}"
                                   + (" (from LADE_DATASETS)" if os.environ.get("LADE_DATASETS") else "")
                                   + f"; set LADE_DATASETS to a folder holding {', '.join(files[:-1])} and {files[-1]} "
-                                  "(docs/datasets.md says where to get them), or give the path of a JSONL file of "
-                                  "prompts instead of the name")
+                                  f"({DATASET_FILES[name]}: {DATASET_SOURCES[name]}; docs/datasets.md lists all three), "
+                                  "or give the path of a JSONL file of prompts instead of the name")
     else:
         path = Path(name)
         label = path.stem
