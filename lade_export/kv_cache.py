@@ -332,20 +332,32 @@ class KVCache:
             dst: columns, a slice or int [n] (as many as ``src``).
         """
         if self.stacked:
-            first = outputs[self._present[0]]
-            presents = _PRESENT_BLOCKS.get(id(first.base)) if isinstance(first.base, np.ndarray) else None
-            # (found by the block's id, which is unique while the block is alive: it is that block)
-            if presents is not None and presents.names == self._present \
-                    and all(map(operator.is_, map(outputs.__getitem__, self._present), presents.views.values())):
-                self._block[:, 0, dst] = presents.block[:, 0, src]  # the outputs are already one block
+            block = self._presents_block(outputs)
+            if block is not None:
+                self._block[:, 0, dst] = block[:, 0, src]  # the outputs are already one block
             else:
                 self._block[:, 0, dst] = np.concatenate([outputs[n] for n in self._present])[:, src]
             return
         for name, buffer in zip(self._present, (*self.keys, *self.values)):
             buffer[0, dst] = outputs[name][0, src]
 
+    def _presents_block(self, outputs: dict) -> np.ndarray | None:
+        """The :class:`StackedPresents` block [2·layers, 1, step, kv_heads, head_dim] whose views
+        are this stacked cache's ``present.*`` outputs, each in its place in the cache's order;
+        None when any output is not (a replaced output, another engine's arrays)."""
+        first = outputs[self._present[0]]
+        presents = _PRESENT_BLOCKS.get(id(first.base)) if isinstance(first.base, np.ndarray) else None
+        # (found by the block's id, which is unique while the block is alive: it is that block)
+        if presents is not None and presents.names == self._present \
+                and all(map(operator.is_, map(outputs.__getitem__, self._present), presents.views.values())):
+            return presents.block
+        return None
+
     def append(self, outputs: dict, rows: np.ndarray | None = None, step: int | None = None) -> None:
-        """Keep this step's keys/values at ``rows`` of the step (all rows when None).
+        """Keep this step's keys/values at ``rows`` of the step (all rows when None). Stacked,
+        with outputs that are one :class:`StackedPresents` block (an ONNX Runtime step bound to
+        this cache) and rows that are one run of consecutive rows (a greedy step, an accepted
+        prefix of a chain), in one copy; otherwise one copy per buffer (and run). Same values.
 
         Args:
             outputs: the step's outputs; ``sequence-major`` reads its ``present.*``
@@ -375,6 +387,13 @@ class KVCache:
         # the kept rows as runs of consecutive step rows, each copied as a slice (a greedy step or the
         # accepted prefix of a chain: one run), or by its index for a single row: no gathered temporaries
         runs = None if rows is None else _runs(rows)
+        if self.stacked and (runs is None or len(runs) == 1):  # one copy when the outputs are one block
+            block = self._presents_block(outputs)
+            if block is not None:
+                first = 0 if runs is None else runs[0][1]
+                self._block[:, 0, start:end] = block[:, 0, first:first + count]
+                self._length = end
+                return
         for (_, _, kname, vname), keys, values in zip(self._names, self.keys, self.values):
             k, v = outputs[kname], outputs[vname]
             if runs is None:

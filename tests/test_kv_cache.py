@@ -35,13 +35,27 @@ def test_row_runs_split_increasing_rows_into_consecutive_stretches():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("rows", [None, [0], [0, 1, 2], [2, 3, 4, 5], [0, 3, 5], [0, 1, 4, 6, 7]])
-def test_append_keeps_exactly_the_chosen_rows_in_order(rows, dtype):
+@pytest.mark.parametrize("kind", ["separate", "stacked", "stacked, outputs one block", "stacked, one output replaced"])
+def test_append_keeps_exactly_the_chosen_rows_in_order(rows, dtype, kind):
+    """The decoder's append: the same rows in the same places whether the cache is one block
+    (a one-copy write when the outputs are one StackedPresents block, as a bound step's are, and
+    the rows one run) or separate buffers, and whatever the outputs are."""
     rng = np.random.default_rng(0)
-    cache = KVCache(DIMS, capacity=32, dtype=dtype)
+    cache = KVCache(DIMS, capacity=32, dtype=dtype, stacked=kind != "separate")
     first = step_outputs(rng, 5, dtype)
     cache.append(first)  # a prefill of 5 tokens: every row
     step = step_outputs(rng, 8, dtype)
-    cache.append(step, None if rows is None else np.asarray(rows))
+    outputs = step
+    if kind.startswith("stacked, o"):
+        presents = StackedPresents(DIMS.num_layers, 8, (DIMS.kv_heads, DIMS.head_dim), dtype)
+        for name, view in presents.views.items():
+            view[...] = step[name]
+        outputs = dict(presents.views)
+        if kind.endswith("replaced"):  # a layer's output that is not the block's view: written from that output
+            outputs[present_key_name(2)] = step[present_key_name(2)].copy()
+            presents.views[present_key_name(2)][...] = 0
+        assert (cache._presents_block(outputs) is None) == kind.endswith("replaced")
+    cache.append(outputs, None if rows is None else np.asarray(rows))
     kept = list(range(8)) if rows is None else rows
     assert cache.length == 5 + len(kept)
     for i in range(DIMS.num_layers):
@@ -51,7 +65,7 @@ def test_append_keeps_exactly_the_chosen_rows_in_order(rows, dtype):
             assert not buffers[i][:, cache.length:].any()  # nothing written past the kept rows
     feeds = cache.feeds()
     assert feeds["past_key_values.0.key"].shape == (1, cache.length, DIMS.kv_heads, DIMS.head_dim)
-    assert feeds["past_key_values.2.value"].base is cache.values[2]  # a view of the buffer, not a copy
+    assert np.shares_memory(feeds["past_key_values.2.value"], cache.values[2])  # a view of the buffer, not a copy
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

@@ -51,8 +51,9 @@ class _BoundStep:
     (``input_ids``, ``position_ids`` int64 [1, step], ``attention_mask`` bool [1, 1, step,
     columns + step], ``logits_positions`` int64 [1, n_logits]) and outputs are arrays of
     this object, bound once; a step copies its small inputs into them and runs. A stacked
-    cache's (the scheduler's pool) ``present.*`` outputs are the views of one
-    :class:`~lade_export.kv_cache.StackedPresents` block, which the pool stores in one copy."""
+    cache's (the scheduler's pool; a single request's sequence-major cache) ``present.*``
+    outputs are the views of one :class:`~lade_export.kv_cache.StackedPresents` block, which
+    the cache stores in one copy."""
 
     def __init__(self, session, cache, columns: int, step: int, n_logits: int, with_logits: bool, vocab: int,
                  kv_dtype):
