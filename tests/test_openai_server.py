@@ -485,6 +485,18 @@ MALFORMED = [
      "/v1/completions"),
     ("/v1/chat/completions", {**M, "max_tokens": 5, "max_completion_tokens": 6}, 400, "max_completion_tokens", None,
      "max_tokens and max_completion_tokens differ; give one of them"),
+    # a field name no UTF-8 can encode (a lone surrogate, which JSON can escape) is named back, escaped
+    ("/v1/completions", b'{"model": "stories", "prompt": "x", "\\ud800": 1}', 400, "\ud800", "unknown_parameter",
+     "unknown field '\\ud800'"),
+    ("/v1/chat/completions", b'{"model": "stories", "messages": [{"role": "user", "content": "hi", "\\udc80x": 1}]}',
+     400, "messages", "unsupported_parameter", "messages[0].\udc80x is not supported by this server"),
+    ("/v1/chat/completions", {**M, "messages": [{"role": "user", "content": "hi", "name": 5}]}, 400, "messages", None,
+     "messages[0].name must be a string, got an integer"),
+    ("/v1/completions", {**C, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, 400,
+     "stream_options", None, "stream_options.continuous_usage_stats must be a boolean, got a string"),
+    ("/v1/completions", {**C, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options", "unsupported_parameter", "stream_options.continuous_usage_stats is not supported by this "
+     "server; usage comes in the last chunk with include_usage: true"),
     ("/v1/embeddings", {"model": "stories", "input": "x"}, 404, None, "not_found", "no route /v1/embeddings"),
     ("/v1/completions", b"x" * (70 * 1024), 413, None, "body_too_large",
      "request body of 71680 bytes exceeds the limit of 65536 bytes"),
@@ -499,6 +511,13 @@ def test_malformed_requests_get_their_status_and_an_openai_error_while_serving_g
                 "message": message, "type": "invalid_request_error", "param": param, "code": code}}), (path, body)
         got, answer = raw(base, "GET", "/v1/completions")
         assert got == 405 and answer["error"]["message"] == "GET is not allowed on /v1/completions"
+        # a client that leaves before its body is in is counted as gone (not an error of the server's)
+        before = metric(base, "lade_requests_cancelled_total")
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":")
+            time.sleep(0.2)
+        _wait(lambda: metric(base, "lade_requests_cancelled_total") == before + 1, "the cancel to be counted")
         r = client(base).completions.create(model="stories", prompt="Once upon a time", max_tokens=4, temperature=0)
         assert r.choices[0].text == ", there was a"
 

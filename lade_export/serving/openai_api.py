@@ -59,7 +59,7 @@ import threading
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -139,10 +139,13 @@ class OpenAIServer:
             raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes",
                            code="body_too_large")
         data = bytearray()
-        async for piece in request.stream():
-            data += piece
-            if len(data) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        try:
+            async for piece in request.stream():
+                data += piece
+                if len(data) > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        except ClientDisconnect:  # it left before its body was in: nobody to answer
+            raise ClientGone() from None
 
         def refuse_constant(name):
             raise ValueError(f"{name} is not valid JSON")
@@ -281,6 +284,9 @@ class OpenAIServer:
         except APIError as err:
             self.metrics.requests.labels(endpoint, str(err.status)).inc()
             return err.response()
+        except ClientGone:  # it left while its body was read
+            self.metrics.cancelled.inc()
+            return Response(status_code=499)
         # the client may leave while its request waits for a slot or is prefilled: watch for it
         disconnect = asyncio.ensure_future(wait_disconnect(request))
         try:

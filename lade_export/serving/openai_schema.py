@@ -74,8 +74,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        """The error as an HTTP response: :meth:`body` as JSON with status :attr:`status`."""
-        return JSONResponse(self.body(), status_code=self.status)
+        """The error as an HTTP response: :meth:`body` as JSON with status :attr:`status`,
+        non-ASCII characters written as ``\\u`` escapes (RFC 8259, section 7), so a field name
+        the client sent that UTF-8 cannot encode (a lone surrogate) still makes a body."""
+        return _AsciiJSONResponse(self.body(), status_code=self.status)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """A JSON response whose text is ASCII (``json.dumps(ensure_ascii=True)``): every string is
+    encodable, lone surrogates included, and clients read the same characters."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -292,6 +302,13 @@ def parse_request(body, chat: bool, config: ServerConfig) -> Job:
         if not isinstance(include_usage, bool):
             raise bad_request(f"stream_options.include_usage must be a boolean, got {_kind(include_usage)}",
                               "stream_options")
+        continuous = options.get("continuous_usage_stats", False)
+        if not isinstance(continuous, bool):
+            raise bad_request(f"stream_options.continuous_usage_stats must be a boolean, got {_kind(continuous)}",
+                              "stream_options")
+        if continuous:  # usage in every chunk: not served (the last chunk has it with include_usage)
+            raise bad_request("stream_options.continuous_usage_stats is not supported by this server; usage comes "
+                              "in the last chunk with include_usage: true", "stream_options", "unsupported_parameter")
 
     return Job(chat, prompt, max_tokens, stops, temperature, top_p, top_k, seed, _profile(body, config), stream,
                include_usage)
@@ -345,6 +362,8 @@ def _messages(body):
             extra = sorted(set(m) - {"role", "content", "name"})[0]
             raise bad_request(f"{where}.{extra} is not supported by this server", "messages",
                               "unsupported_parameter")
+        if "name" in m and not isinstance(m["name"], str):
+            raise bad_request(f"{where}.name must be a string, got {_kind(m['name'])}", "messages")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
