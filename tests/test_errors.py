@@ -660,6 +660,8 @@ def test_option_values_that_could_never_work_are_refused_before_any_work(tmp_pat
         (["serve", a, "--kv-tokens", 1], "Invalid value for '--kv-tokens': 1 is not in the range x>=2."),
         (["serve", a, "--host", ""], "Invalid value for '--host': must name an address (127.0.0.1, ::1; 0.0.0.0 for "
                                      "every interface), got ''"),
+        (["serve", a, "--model-name", " "], "Invalid value for '--model-name': must name the model clients send "
+                                            "(leave it out for the artifact folder's name), got ' '"),
         (["serve", a, "--drain-timeout", "nan"], "Invalid value for '--drain-timeout': must be a number, not nan"),
         (["check", a, "--max-abs", "nan"], "Invalid value for '--max-abs': must be a number, not nan"),
         (["check", a, "--max-rel", -1], "Invalid value for '--max-rel': -1.0 is not in the range x>0."),

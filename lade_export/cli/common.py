@@ -178,6 +178,15 @@ def _address(ctx, param, value):
     return value
 
 
+def _model_name(ctx, param, value):
+    """Click callback: ``--model-name`` must name the model (an empty id would be replaced by the
+    folder's name, not served as given)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter(f"must name the model clients send (leave it out for the artifact folder's name), "
+                                 f"got {value!r}")
+    return value
+
+
 def _sampling(temperature: float, top_k: int, top_p: float, seed=None, seed_off=None):
     """The sampling options as :class:`lade_export.sampling.SamplingParams`, refusing an option
     only sampling reads when decoding is greedy (temperature 0) — it would be ignored.

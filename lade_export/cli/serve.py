@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import ProfileError
-from .common import (_address, _artifact_dir, _engine_threads, _finite, _kv_tokens, _token_budget,
+from .common import (_address, _artifact_dir, _engine_threads, _finite, _kv_tokens, _model_name, _token_budget,
                      _width_policy, _writable_folder, main)
 
 
@@ -77,7 +77,8 @@ def triton(artifact_dir, repository, name, instances, profile_values, backend, d
 @click.option("--profile", "profile_values", multiple=True,
               help="Lookahead profile requests may pick (repeatable; the first is the default; default: the "
                    "artifact's).")
-@click.option("--model-name", default=None, help="The model id clients send (default: the artifact folder's name).")
+@click.option("--model-name", default=None, callback=_model_name,
+              help="The model id clients send (default: the artifact folder's name).")
 @click.option("--api-key-env", default=None, metavar="VAR",
               help="Environment variable holding the API key clients must send (Authorization: Bearer KEY).")
 @click.option("--max-concurrent", type=click.IntRange(min=1), default=8, show_default=True,
