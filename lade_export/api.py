@@ -108,7 +108,8 @@ class Stream:
     chunk carries ``stop_reason`` and ``stats``, and :attr:`result` is then set.
     :meth:`cancel` (from any thread) stops the request before its next step;
     :meth:`close` (or leaving a ``with`` block, or breaking out of the loop and dropping
-    the stream) ends it at once and frees its KV cache.
+    the stream) ends it at once and frees its KV cache — called from another thread while
+    the reader is inside a step, it cancels instead (the reader then gets the last chunk).
     """
 
     def __init__(self, start, cancel: threading.Event):
@@ -133,8 +134,15 @@ class Stream:
         self._cancel.set()
 
     def close(self) -> None:
-        """End the request now and free its KV cache."""
-        self._chunks.close()
+        """End the request now and free its KV cache; while another thread is inside a step of
+        this stream (a generator cannot be closed under its reader), ask it to stop before its
+        next step instead, as :meth:`cancel` does."""
+        try:
+            self._chunks.close()
+        except ValueError as err:  # "generator already executing": the reader's thread is in it
+            if "already executing" not in str(err):
+                raise
+            self._cancel.set()
 
     def __enter__(self) -> "Stream":
         return self

@@ -225,6 +225,34 @@ def test_closing_a_stream_early_ends_the_request(model, reference_greedy):
     assert timed_out.stop_reason == "timeout" and timed_out.token_ids == []
 
 
+def test_closing_a_stream_from_another_thread_inside_a_step_cancels_it(model, reference_greedy, monkeypatch):
+    """A generator cannot be closed while its reader's thread runs it ("generator already
+    executing"): close() from another thread then asks the request to stop before its next
+    step, and the reader gets the last chunk, "cancelled" (it raised a raw ValueError)."""
+    case = _oracle(reference_greedy, 1)
+    engine, inside, release, calls = model.decoder.engine, threading.Event(), threading.Event(), []
+    run = engine.run
+
+    def held_run(feeds, **kw):  # the third step waits inside the engine until released
+        calls.append(1)
+        if len(calls) == 3:
+            inside.set()
+            release.wait(30)
+        return run(feeds, **kw)
+
+    monkeypatch.setattr(engine, "run", held_run)
+    stream = model.stream(case["prompt_ids"], max_new_tokens=100, lookahead=False)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(stream))
+    reader.start()
+    assert inside.wait(30)
+    stream.close()  # the reader is inside next(): no error here
+    release.set()
+    reader.join(30)
+    assert not reader.is_alive() and chunks[-1].final and chunks[-1].stop_reason == "cancelled"
+    assert len(calls) == 3 and model.decoder.active_requests == 0  # no step after the one it was in
+
+
 def test_eight_threads_with_different_prompts_and_profiles_equal_their_serial_runs(model, reference_greedy):
     prompts = ["Once upon a time", "Tom and Sue went to the beach.", "The little dog", "One day, a girl named Lily",
                "The sun was shining", "Ben had a red ball", "Mom said", "A big bird"]
