@@ -135,6 +135,10 @@ class OrtEngine:
         device_memory: where a device-resident cache lives (a
             :class:`~lade_export.backends.cuda.CudaDevice`, or
             :class:`~lade_export.backends.cuda.HostMemory` on the CPU), None when off.
+        stacks_presents: whether steps on a stacked :class:`~lade_export.kv_cache.KVCache`
+            run bound to it and write their ``present.*`` into one block (CPU, an attention that
+            skips masked key blocks, no device-resident cache): a request's cache is then best
+            one block (``KVCache(stacked=True)``), its kept rows stored in one copy.
 
     Raises:
         ArtifactError: the model file or the custom-op library is missing, or ORT cannot load them.
@@ -220,6 +224,8 @@ class OrtEngine:
                     raise BackendUnavailableError(f"device_kv needs cuda-bindings: {cuda_unavailable_reason()}")
             else:
                 self.device_memory = HostMemory()
+        self.stacks_presents = bool(self.attention_skips) and self.device_memory is None and provider == "cpu" \
+            and self.kv_layout == "sequence-major"
         self._past_names = [n for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))]
         self._past_set = set(self._past_names)
         self._mirrors = {}  # id(KVCache) -> KVMirror
