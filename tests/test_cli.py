@@ -283,6 +283,31 @@ def test_a_closed_stdout_ends_generate_quietly_with_status_141(stories_artifact)
     assert err == ""
 
 
+def test_an_output_that_cannot_be_written_is_one_line_and_a_closed_stream_is_the_null_device(stories_artifact,
+                                                                                          tmp_path):
+    """A full disk on standard output (/dev/full), for a command's output and for click's own
+    help, ends in one line and exit 2 (was an OSError traceback); `inspect | head` ends 141 as
+    `generate` does (rich's console exited 1, a failed check's status); a standard stream the
+    caller closed (`>&-`, `<&-`) is the null device (was an AttributeError traceback)."""
+    cli = [sys.executable, str(ROOT / "cli.py")]
+    gen = [*cli, "generate", str(stories_artifact), "--no-chat", "--max-new-tokens", "4"]
+    for args in ([*gen, "--prompt", "Once"], [*cli, "inspect", str(stories_artifact)], [*cli, "--help"]):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, cwd=ROOT)
+        assert (done.returncode, done.stderr) == (2, "error: cannot write the output: No space left on device\n"), args
+    proc = subprocess.Popen([*cli, "inspect", str(stories_artifact)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    proc.stdout.close()
+    assert (proc.wait(timeout=300), proc.stderr.read()) == (141, "")
+    closed_out = subprocess.run([*gen, "--prompt", "Once"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, timeout=300, cwd=ROOT,
+                                preexec_fn=lambda: os.close(1))
+    assert closed_out.returncode == 0 and "Traceback" not in closed_out.stderr, closed_out.stderr
+    closed_in = subprocess.run([*gen, "--prompt-file", "-"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=300, cwd=ROOT, preexec_fn=lambda: os.close(0))
+    assert closed_in.returncode == 0 and "Traceback" not in closed_in.stderr, closed_in.stderr  # an empty prompt
+
+
 def test_a_usage_error_hint_names_the_command_as_it_was_run():
     """``python -m lade_export.cli`` and the installed ``lade-export`` script each get a --help
     hint that runs as written (the program name of click's own usage lines)."""

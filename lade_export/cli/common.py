@@ -5,6 +5,7 @@ artifact opened for decoding). The command modules add their commands to ``main`
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -31,6 +32,29 @@ _EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export",
 BUILD_WRITTEN = "lade_export.build_written"
 
 
+def _null_closed_streams() -> None:
+    """A standard stream the caller closed (``>&-``, ``<&-``) is None in Python: it becomes
+    the null device, so writing output goes nowhere and reading a prompt reads nothing (an
+    empty prompt, refused in one line) instead of an AttributeError."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))
+
+
+def _output_failed(err: OSError) -> None:
+    """Exit after an error that is no file's: the reader of standard output left (``| head``:
+    141, quietly, as SIGPIPE would) or writing it failed (a full disk: one line, exit 2).
+    Standard output becomes the null device first, so the interpreter's flush at exit
+    does not fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if isinstance(err, BrokenPipeError):
+        sys.exit(141)
+    with contextlib.suppress(OSError):
+        click.echo(f"error: cannot write the output: {err.strerror or err}", err=True)
+    sys.exit(2)
+
+
 class _Group(click.Group):
     """Turns typed errors, usage errors and interrupts into one-line messages and exit codes."""
 
@@ -41,8 +65,11 @@ class _Group(click.Group):
     def main(self, *args, **kwargs):
         kwargs.setdefault("standalone_mode", False)
         self._context = None
+        _null_closed_streams()
         try:
             return super().main(*args, **kwargs)
+        except OSError as err:  # writing click's own output (--help, a usage line) failed
+            _output_failed(err)
         except click.exceptions.Exit as done:
             sys.exit(done.exit_code)
         except click.exceptions.NoArgsIsHelpError as err:  # a bare group: its help, as click prints it
@@ -57,7 +84,10 @@ class _Group(click.Group):
         except click.ClickException as err:
             click.echo(f"error: {err.format_message()}", err=True)
             sys.exit(err.exit_code)
-        except click.Abort:  # an interrupt outside the command's own code (click's way in or out)
+        except click.Abort as err:  # an interrupt outside the command's own code (click's way in or out)
+            if isinstance(err.__cause__, EOFError):  # click turns an EOFError into Abort as it does ^C
+                click.echo(f"error: unexpected end of input: {err.__cause__}".rstrip(": "), err=True)
+                sys.exit(2)
             written = self._context.meta.get(BUILD_WRITTEN) if self._context is not None else None
             click.echo(f"error: {interrupted_after_build(written)}" if written else "error: interrupted", err=True)
             sys.exit(130)
@@ -82,11 +112,15 @@ class _Group(click.Group):
             if isinstance(err.__context__, KeyboardInterrupt):  # a cleanup after an interrupt failed too
                 click.echo("error: interrupted", err=True)
                 sys.exit(130)
-            if isinstance(err, BrokenPipeError) or not err.filename:  # not a file's: its own handlers say it
-                raise
+            if isinstance(err, BrokenPipeError) or not err.filename:  # standard output (a full disk, | head)
+                _output_failed(err)
             where = f": {err.filename}" + (f" -> {err.filename2}" if err.filename2 else "")
             click.echo(f"error: {err.strerror or err}{where}", err=True)
             sys.exit(2)
+        except SystemExit as err:  # rich's console exits 1 when its reader left (| head): as SIGPIPE would, 141
+            if err.code == 1 and isinstance(err.__context__, BrokenPipeError):
+                sys.exit(141)
+            raise
         except KeyboardInterrupt as err:
             message = "error: interrupted"
             if ctx.invoked_subcommand in ("build", "export"):
