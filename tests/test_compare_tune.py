@@ -41,6 +41,39 @@ def test_compare_writes_results_and_every_output_is_exact(tmp_path, stories_arti
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_replaces_its_files_as_a_set_or_not_at_all(tmp_path, stories_artifact, monkeypatch):
+    """An interrupt while the files are made (the plot comes last and takes a while) leaves
+    an earlier run's four files as they were, with no temporary file beside them; a run
+    without matplotlib removes the earlier plot instead of leaving it beside new results."""
+    import importlib.util
+
+    from lade_export.evaluation import report
+
+    out, prompts = tmp_path / "cmp", _prompts(tmp_path)
+
+    def run(limit):
+        return CliRunner().invoke(main, ["compare", str(stories_artifact), "--profile", "small", "--dataset",
+                                         str(prompts), "--limit", str(limit), "--max-new-tokens", "8", "--out", str(out)])
+
+    assert run(2).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["results.jsonl", "speedup.png", "summary.csv", "summary.md"]
+
+    def interrupted(rows, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "plot_summary", interrupted)
+    result = run(3)
+    assert result.exit_code == 130, result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier set, nothing else
+    monkeypatch.undo()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert run(3).exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.jsonl", "summary.csv", "summary.md"]
+    assert len((out / "results.jsonl").read_text().splitlines()) == 3 * 2  # the new run's: 3 prompts × 2 configs
+
+
 def test_compare_reports_a_mismatch_and_fails(tmp_path, stories_artifact, monkeypatch):
     from lade_export import lookahead
 

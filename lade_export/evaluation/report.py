@@ -11,6 +11,7 @@ or :data:`SAMPLING_BASELINE` under sampling (temperature > 0).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -113,7 +114,11 @@ def environment() -> dict:
 
 
 def write_outputs(out: Path, records: list, rows: list[dict], meta: dict) -> bool:
-    """Write results.jsonl, summary.csv, summary.md and speedup.png into ``out`` (atomically per file).
+    """Write results.jsonl, summary.csv, summary.md and speedup.png into ``out`` as one set:
+    every file is written beside its place first (hidden temporary names) and only then are
+    the four renamed into place, so an interrupt or a failure while they are made (the plot
+    takes a while) leaves the files of ``out`` as they were. Without matplotlib there is no
+    new plot, and an earlier run's ``speedup.png`` is removed (it would not match).
 
     Args:
         out: the folder (made if missing).
@@ -123,23 +128,45 @@ def write_outputs(out: Path, records: list, rows: list[dict], meta: dict) -> boo
     Returns:
         whether speedup.png was written (it needs matplotlib, the ``bench`` extra).
     """
+    import os
+    import tempfile
     from importlib.util import find_spec
 
-    from ..artifact import write_text_atomic
-
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "results.jsonl", "".join(json.dumps(r.as_json()) + "\n" for r in records))
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0].keys()))
     writer.writeheader()
     for row in rows:
         writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()})
-    write_text_atomic(out / "summary.csv", buf.getvalue())
-    write_text_atomic(out / "summary.md", render_markdown(rows, meta))
-    if find_spec("matplotlib") is None:
-        return False
-    plot_summary(rows, out / "speedup.png")
-    return True
+    texts = {"results.jsonl": "".join(json.dumps(r.as_json()) + "\n" for r in records),
+             "summary.csv": buf.getvalue(), "summary.md": render_markdown(rows, meta)}
+    plotted = find_spec("matplotlib") is not None
+    staged = []  # (temporary path, final path)
+    try:
+        for name, text in texts.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+            staged.append((tmp, out / name))
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+        if plotted:
+            fd, tmp = tempfile.mkstemp(prefix=".speedup.", suffix=".png", dir=out)  # the suffix picks the format
+            os.close(fd)
+            staged.append((tmp, out / "speedup.png"))
+            plot_summary(rows, Path(tmp))
+        for tmp, final in staged:
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, final)
+        staged = []
+    finally:
+        for tmp, _ in staged:  # a failure or interrupt before the renames: nothing of this run stays
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    if not plotted:
+        with contextlib.suppress(FileNotFoundError):
+            (out / "speedup.png").unlink()
+    return plotted
 
 
 def render_markdown(rows: list[dict], meta: dict) -> str:
@@ -198,7 +225,11 @@ def plot_summary(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
