@@ -541,7 +541,8 @@ def test_every_documented_row_has_a_test():
                                    # tests/test_cli.py
                                    "generate-prompt-file-stdin", "generate-interrupted", "generate-stdout-closed",
                                    # this file's own tests
-                                   "tune-validate-dataset-missing",
+                                   "tune-validate-dataset-missing", "dataset-unreadable", "tune-candidate-not-integers",
+                                   "model-config-size",
                                    # tests/test_kernels.py
                                    "build-kernels-headers-checksum", "build-compute-onnxruntime",
                                    "build-compute-int8-gqa", "kernels-path-forced",
@@ -675,6 +676,35 @@ def test_option_values_that_could_never_work_are_refused_before_any_work(tmp_pat
         assert result.stderr.splitlines()[0].startswith(f"error: {message}"), (command, result.stderr)
         assert len(result.stderr.splitlines()) == 1, result.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
+def test_a_cut_gzip_a_non_integer_candidate_and_a_model_without_layers_are_one_line(tmp_path, stories_artifact,
+                                                                                     stories_dir):
+    """Found by a hostile user's trial: a .jsonl.gz cut short was reported as an interrupt (exit
+    130: gzip's EOFError, which click takes for ^D); tune --candidate abc and a config without
+    layers ended in tracebacks."""
+    import gzip
+
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"prompt": "Once upon"}\n')[:-4])
+    config = json.loads((stories_dir / "config.json").read_text())
+    model = tmp_path / "m"
+    shutil.copytree(stories_dir, model)
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    cases = [
+        (["generate", stories_artifact, "--no-chat", "--prompt-from", f"{cut}:0"],
+         f"cannot read dataset {cut}: Compressed file ended before the end-of-stream marker was reached"),
+        (["tune", stories_artifact, "--dataset", tmp_path / "none.jsonl", "--candidate", "abc", "--out",
+          tmp_path / "t.toml"], "grid entry 'abc': want W,N,G, W,N,G,K or W,N,G,K,B (integers)"),
+        (["build", "--model", model, "--out", tmp_path / "o"],
+         f"{model / 'config.json'}: num_hidden_layers must be an integer ≥ 1, got 0"),
+    ]
+    for command, message in cases:
+        result = invoke(*command)
+        lines = result.stderr.strip().splitlines()  # build's progress lines come first
+        assert (result.exit_code, lines[-1]) == (2, f"error: {message}"), command
+        assert not any(line.startswith(("error", "Traceback")) for line in lines[:-1]), lines
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t.toml").exists()
 
 
 def test_inspect_shows_a_hand_edited_graph_list_as_it_is(tmp_path, stories_artifact):

@@ -11,6 +11,7 @@ import dataclasses
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 
 from ..errors import GenerationError
@@ -73,7 +74,7 @@ def _records(path: Path):
                         yield json.loads(line)
                     except (ValueError, RecursionError) as err:  # JSONDecodeError, huge ints, deep nesting
                         raise GenerationError(f"{path} line {number}: not JSON ({getattr(err, 'msg', err)})") from None
-    except (UnicodeDecodeError, OSError) as err:
+    except (UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # EOFError, zlib.error: a cut or bad .gz
         raise GenerationError(f"cannot read dataset {path}: {err}") from None
 
 

@@ -39,9 +39,12 @@ def grid_profiles(spec) -> list[LookaheadProfile]:
         spec = GRIDS[spec]
     profiles = []
     for item in spec:
-        values = [int(x) for x in item.split(",")] if isinstance(item, str) else list(item)
+        try:
+            values = [int(x) for x in item.split(",")] if isinstance(item, str) else list(item)
+        except ValueError:  # not integers: "abc", "1.5,3,2", "", "1,,2"
+            values = []
         if len(values) not in (3, 4, 5):
-            raise ProfileError(f"grid entry {item!r}: want W,N,G, W,N,G,K or W,N,G,K,B")
+            raise ProfileError(f"grid entry {item!r}: want W,N,G, W,N,G,K or W,N,G,K,B (integers)")
         w, n, g, k, b = values + [0, 1][len(values) - 3:]
         profiles.append(LookaheadProfile(w, n, g, name=f"w{w}n{n}g{g}k{k}" + (f"b{b}" if b != 1 else ""), lookup=k,
                                          lookup_branches=b))

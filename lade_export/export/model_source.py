@@ -132,6 +132,24 @@ def check_rope_type(config: dict, where: str) -> None:
             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
+#: Sizes a LLaMA config must give as positive integers (``num_key_value_heads`` and ``head_dim``
+#: where present; transformers derives them otherwise).
+CONFIG_SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
+                "num_key_value_heads", "head_dim")
+
+
+def check_sizes(config: dict, where: str) -> None:
+    """Raise :class:`ModelSourceError` when a size of the raw config (:data:`CONFIG_SIZES`) is
+    not an integer ≥ 1 (a model without layers has no step to export; transformers' own
+    validation error would be cut to its first line, which does not name the field's value)."""
+    for name in CONFIG_SIZES:
+        if name not in config or (config[name] is None and name in ("num_key_value_heads", "head_dim")):
+            continue
+        value = config[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelSourceError(f"{where}: {name} must be an integer ≥ 1, got {json.dumps(value)}")
+
+
 def _stop_ids(model, tokenizer) -> list[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
@@ -199,6 +217,7 @@ def _load_hf_dir(path: Path):
         raise ModelSourceError(f"{path / 'config.json'}: unreadable config: {err}") from None
     check_model_type(config, str(path / "config.json"))
     check_rope_type(config, str(path / "config.json"))
+    check_sizes(config, str(path / "config.json"))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -244,6 +263,7 @@ def _load_hub(repo_id: str):
         ) from None
     check_model_type(config.to_dict(), repo_id)
     check_rope_type(config.to_dict(), repo_id)
+    check_sizes(config.to_dict(), repo_id)
     model = AutoModelForCausalLM.from_pretrained(repo_id, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(repo_id)
     return model, tokenizer
