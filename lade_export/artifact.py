@@ -26,7 +26,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import ArtifactError, interrupted_after_build
 from .manifest import REQUIRED_KEYS, SCHEMA_VERSION, Manifest  # noqa: F401 (REQUIRED_KEYS: re-exported)
@@ -388,15 +388,25 @@ def unlisted_files(spec) -> list[str]:
              ("tokenizer.file", spec.tokenizer.file)]
     named += [(f"tokenizer.files[{i}]", name) for i, name in enumerate(spec.tokenizer.files)]
     named += [(f"engines[{i}].file", e.file) for i, e in enumerate(spec.engines)]
-    problems = []
+    problems = [f"files names {name!r}, which is not a path inside the artifact" for name in spec.files
+                if isinstance(name, str) and not _inside(name)]
     for key, name in named:
         if name is None:
             continue
         if not isinstance(name, str):
             problems.append(f"{key} is {name!r}, not a file name")
+        elif not _inside(name):
+            problems.append(f"{key} {name!r} is not a path inside the artifact")
         elif name not in spec.files:
             problems.append(f"{key} {name!r} is not among the manifest's files, so it could not be checked")
     return problems
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest's file name stays inside the artifact: relative, without ``..``
+    (what a build writes; a hand edit must not make decoding read or hash other files)."""
+    path = PurePosixPath(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
 
 
 def checksum_errors(artifact: Artifact) -> list[str]:

@@ -819,7 +819,15 @@ def test_a_cleanup_that_fails_after_an_interrupt_still_exits_130(tmp_path, stori
     (lambda m: m["tokenizer"].update(files=[{"a": 1}]), "tokenizer.files[0] is {'a': 1}, not a file name"),
     (lambda m: m["files"].pop("tokenizer/tokenizer.json"),
      "tokenizer.file 'tokenizer/tokenizer.json' is not among the manifest's files"),
-], ids=["files-empty", "engine-file-a-list", "tokenizer-file-an-object", "tokenizer-unlisted"])
+    # a hand edit must not make decoding load or hash a file outside the artifact
+    (lambda m: (m["graph"].update(file="../elsewhere/model.onnx"),
+                m["files"].update({"../elsewhere/model.onnx": m["files"]["model.onnx"]})),
+     "files names '../elsewhere/model.onnx', which is not a path inside the artifact"),
+    (lambda m: m["graph"].update(file="/tmp/model.onnx"), "graph.file '/tmp/model.onnx' is not a path inside the artifact"),
+    (lambda m: m["files"].update({"/etc/passwd": {"sha256": "0" * 64, "bytes": 1}}),
+     "files names '/etc/passwd', which is not a path inside the artifact"),
+], ids=["files-empty", "engine-file-a-list", "tokenizer-file-an-object", "tokenizer-unlisted", "graph-file-parent",
+        "graph-file-absolute", "files-absolute"])
 def test_a_file_the_manifest_names_but_does_not_list_is_refused_by_every_command(tmp_path, stories_artifact, edit,
                                                                                    message):
     a = _edited_manifest(tmp_path, stories_artifact, edit)
