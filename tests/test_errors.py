@@ -542,7 +542,7 @@ def test_every_documented_row_has_a_test():
                                    "generate-prompt-file-stdin", "generate-interrupted", "generate-stdout-closed",
                                    # this file's own tests
                                    "tune-validate-dataset-missing", "dataset-unreadable", "tune-candidate-not-integers",
-                                   "model-config-size",
+                                   "model-config-size", "artifact-dims-mismatch",
                                    # tests/test_kernels.py
                                    "build-kernels-headers-checksum", "build-compute-onnxruntime",
                                    "build-compute-int8-gqa", "kernels-path-forced",
@@ -705,6 +705,23 @@ def test_a_cut_gzip_a_non_integer_candidate_and_a_model_without_layers_are_one_l
         assert (result.exit_code, lines[-1]) == (2, f"error: {message}"), command
         assert not any(line.startswith(("error", "Traceback")) for line in lines[:-1]), lines
     assert not (tmp_path / "o").exists() and not (tmp_path / "t.toml").exists()
+
+
+@pytest.mark.parametrize("key,value,said", [("num_layers", 3, "(3 layers, 4 KV heads of 8)"),
+                                            ("kv_heads", 8, "(5 layers, 8 KV heads of 8)"),
+                                            ("head_dim", 16, "(5 layers, 4 KV heads of 16)")])
+def test_manifest_dims_that_are_not_the_graphs_are_refused_by_generate_and_check(tmp_path, stories_artifact, key,
+                                                                                 value, said):
+    """A hand-edited model.dims: check passed, and generate failed at its first step with ONNX
+    Runtime's message and exit 1 (a failed check's status)."""
+    a = _edited_manifest(tmp_path, stories_artifact, lambda m: m["model"]["dims"].update({key: value}))
+    message = (f"error: {a / 'manifest.json'}: model.dims {said} does not match the graph (5 layers, 4 KV heads of "
+               "8); rebuild with lade-export build")
+    for command in (["generate", a, "--no-chat", "--prompt", "Once", "--max-new-tokens", 4], ["check", a]):
+        result = invoke(*command)
+        lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[")]
+        assert (result.exit_code, lines[-1:]) == (2, [message]), (command, result.stderr)
+        assert not any(line.startswith(("error", "Traceback")) for line in lines[:-1]), lines
 
 
 def test_inspect_shows_a_hand_edited_graph_list_as_it_is(tmp_path, stories_artifact):

@@ -97,6 +97,31 @@ def cannot_load(path: str | Path, err: BaseException) -> ArtifactError:
     return ArtifactError(f"ONNX Runtime cannot load {path}: {said}")
 
 
+def check_graph_dims(inputs, kv_layout: str, dims: ModelDims, manifest: Path) -> None:
+    """Raise :class:`ArtifactError` when a session's cache inputs say another shape than
+    ``dims`` (a hand-edited manifest, which would fail at the first step with ONNX Runtime's
+    message): its layers (``past_key_values.*.key`` inputs) and the fixed KV heads and head
+    width of their shape, read per ``kv_layout``. A graph without cache inputs is not checked.
+
+    Args:
+        inputs: ``session.get_inputs()`` of an ONNX Runtime session.
+        kv_layout: the graph's cache layout (:data:`lade_export.specs.KV_LAYOUTS`).
+        dims: the manifest's ``model.dims``.
+        manifest: the manifest's path, for the message.
+    """
+    keys = [i for i in inputs if i.name.startswith("past_key_values.") and i.name.endswith(".key")]
+    if not keys:
+        return
+    shape = next((i.shape for i in keys if i.name == past_key_name(0)), keys[0].shape)
+    heads, width = (None, None) if len(shape) != 4 else (shape[2], shape[3]) if kv_layout == "sequence-major" \
+        else (shape[1], shape[3])
+    if len(keys) != dims.num_layers or any(isinstance(got, int) and got != want
+                                           for got, want in ((heads, dims.kv_heads), (width, dims.head_dim))):
+        raise ArtifactError(f"{manifest}: model.dims ({dims.num_layers} layers, {dims.kv_heads} KV heads of "
+                            f"{dims.head_dim}) does not match the graph ({len(keys)} layers, {heads} KV heads of "
+                            f"{width}); rebuild with lade-export build")
+
+
 class OrtEngine:
     """Runs the step graph with ONNX Runtime.
 
@@ -197,6 +222,7 @@ class OrtEngine:
         self._fast_outputs = [n for n in self._all_outputs if n != "logits"]
         meta = self.session.get_modelmeta().custom_metadata_map
         self.kv_layout = meta.get("kv_layout", "sequence-major")
+        check_graph_dims(self.session.get_inputs(), self.kv_layout, dims, path.parent / "manifest.json")
         past_type = next((i.type for i in self.session.get_inputs() if i.name == past_key_name(0)), "tensor(float)")
         self.kv_dtype = np.dtype(np.float16 if past_type == "tensor(float16)" else np.float32)
         self.step_room = int(meta["step_room"]) if "step_room" in meta else None

@@ -183,12 +183,13 @@ def check_artifact(root, max_abs: float = PARITY_MAX_ABS, max_rel: float = PARIT
     output_names = [o.name for o in artifact.spec.graph.outputs]
     input_specs = [t.as_dict() for t in artifact.spec.graph.inputs]
     if artifact.kv_layout == "sequence-major" and artifact.custom_ops_path is None:
-        from ..backends.onnxruntime import cannot_load
+        from ..backends.onnxruntime import cannot_load, check_graph_dims
 
         try:  # loaded here, so that a graph ONNX Runtime rejects is the one line generate gives too
             session = SessionFromOnnx(str(artifact.onnx_path))()
         except Exception as err:  # ORT raises its own InvalidProtobuf/Fail types
             raise cannot_load(artifact.onnx_path, err) from None
+        check_graph_dims(session.get_inputs(), artifact.kv_layout, artifact.dims, artifact.root / "manifest.json")
         ort_runner = OnnxrtRunner(session, name="onnxruntime")
     else:  # a shared cache buffer per tensor (fed through the layout converter), or custom ops
         from ..backends.onnxruntime import OrtEngine
