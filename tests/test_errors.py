@@ -542,7 +542,7 @@ def test_every_documented_row_has_a_test():
                                    "generate-prompt-file-stdin", "generate-interrupted", "generate-stdout-closed",
                                    # this file's own tests
                                    "tune-validate-dataset-missing", "dataset-unreadable", "tune-candidate-not-integers",
-                                   "model-config-size", "artifact-dims-mismatch",
+                                   "model-config-size", "artifact-dims-mismatch", "generate-prompt-file-too-long",
                                    # tests/test_kernels.py
                                    "build-kernels-headers-checksum", "build-compute-onnxruntime",
                                    "build-compute-int8-gqa", "kernels-path-forced",
@@ -698,6 +698,9 @@ def test_a_cut_gzip_a_non_integer_candidate_and_a_model_without_layers_are_one_l
           tmp_path / "t.toml"], "grid entry 'abc': want W,N,G, W,N,G,K or W,N,G,K,B (integers)"),
         (["build", "--model", model, "--out", tmp_path / "o"],
          f"{model / 'config.json'}: num_hidden_layers must be an integer ≥ 1, got 0"),
+        # read up to what the context could hold, not until memory runs out
+        (["generate", stories_artifact, "--no-chat", "--prompt-file", "/dev/zero"],
+         "prompt file /dev/zero holds more than 131,072 bytes, more than the model's context of 512 tokens can hold"),
     ]
     for command, message in cases:
         result = invoke(*command)

@@ -14,7 +14,13 @@ from ..errors import ArtifactError, GenerationError
 from .common import _artifact_dir, _backend, _device, _engine_threads, _sampling, main
 
 
-def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
+#: Bytes a prompt file may hold per token of the model's context: a file longer than context ×
+#: this cannot fit (no token is that long), so it is refused after reading that much, not read
+#: whole (``--prompt-file /dev/zero`` read until memory ran out).
+PROMPT_BYTES_PER_TOKEN = 256
+
+
+def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False, context: int | None = None):
     given = [n for n, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-from", prompt_from))
              if v is not None]
     if len(given) > 1:
@@ -32,12 +38,21 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False):
     if prompt_file is not None:
         import codecs
 
+        limit = -1 if context is None else PROMPT_BYTES_PER_TOKEN * context
         try:
-            data = sys.stdin.buffer.read() if str(prompt_file) == "-" else Path(prompt_file).read_bytes()
+            if str(prompt_file) == "-":
+                data = sys.stdin.buffer.read(limit + 1 if limit >= 0 else -1)
+            else:
+                with open(prompt_file, "rb") as fh:
+                    data = fh.read(limit + 1 if limit >= 0 else -1)
         except FileNotFoundError:
             raise GenerationError(f"prompt file not found: {prompt_file}") from None
         except (IsADirectoryError, PermissionError) as err:
             raise GenerationError(f"cannot read prompt file {prompt_file}: {err.strerror}") from None
+        if 0 <= limit < len(data):
+            where = "standard input" if str(prompt_file) == "-" else f"prompt file {prompt_file}"
+            raise GenerationError(f"{where} holds more than {limit:,} bytes, more than the model's context of "
+                                  f"{context:,} tokens can hold")
         bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is not prompt text
         try:
             return data[bom:].decode("utf-8")
@@ -105,7 +120,7 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
     model = load(artifact_dir, backend, threads=threads, device=device, dtype=dtype,
                  verify="full" if verify else "quick")
     use_chat = model.tokenizer.has_chat_template if chat is None else chat
-    ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat), use_chat,
+    ids = model.encode(_read_prompt(prompt, prompt_file, prompt_from, use_chat, model.decoder.max_context), use_chat,
                        parse_special_in_messages=parse_special)
     profile = model.resolve_profile(profile_value, lookahead=lookahead)  # GREEDY for --greedy, --no-lookahead
     stream = model.stream(ids, max_new_tokens=max_new_tokens, profile=profile, sampling=sampling, stop=stops)
