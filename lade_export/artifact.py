@@ -55,8 +55,10 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text to ``path`` via a temporary file in the same directory and a rename."""
+def stage_text(path: Path, text: str) -> str:
+    """Write text (UTF-8) to a new hidden temporary file beside ``path``, flushed to disk and
+    readable by all (0644), and return its path, for the caller to rename onto ``path``
+    (``os.replace``) or to remove; on failure nothing is left."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -65,6 +67,17 @@ def write_text_atomic(path: Path, text: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to ``path`` via a temporary file in the same directory and a rename."""
+    tmp = stage_text(path, text)
+    try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -464,10 +464,10 @@ class Decoder:
         state = new_state(profile, self.dims.vocab, prompt, rules, req.sampling)
         stats = GenerationStats(prompt_tokens=len(prompt), decoding=req.sampling.describe())
         # one block for all layers where the engine's bound steps write their presents as one block
-        # too (OrtEngine.stacks_presents): a step's kept rows are then stored in one copy
+        # too (OrtEngine.binds_steps): a step's kept rows are then stored in one copy
         cache = KVCache(self.dims, capacity=len(prompt) + max_new_tokens, layout=self.engine.kv_layout,
                         dtype=self.engine.kv_dtype, step_room=profile.max_step,
-                        stacked=getattr(self.engine, "stacks_presents", False))
+                        stacked=getattr(self.engine, "binds_steps", False))
         key = id(cache)
         # the request's steps carry the engine's plan for its profile (none: the engine's own choice)
         run = self.engine.run if plan is None else functools.partial(self.engine.run, plan=plan)

@@ -113,10 +113,11 @@ def check_graph_dims(inputs, kv_layout: str, dims: ModelDims, manifest: Path) ->
     if not keys:
         return
     shape = next((i.shape for i in keys if i.name == past_key_name(0)), keys[0].shape)
-    heads, width = (None, None) if len(shape) != 4 else (shape[2], shape[3]) if kv_layout == "sequence-major" \
-        else (shape[1], shape[3])
-    if len(keys) != dims.num_layers or any(isinstance(got, int) and got != want
-                                           for got, want in ((heads, dims.kv_heads), (width, dims.head_dim))):
+    heads, width = None, None
+    if len(shape) == 4:  # [batch, past, kv_heads, head_dim] or, head-major, [batch, kv_heads, capacity, head_dim]
+        heads, width = shape[2 if kv_layout == "sequence-major" else 1], shape[3]
+    fixed = [(got, want) for got, want in ((heads, dims.kv_heads), (width, dims.head_dim)) if isinstance(got, int)]
+    if len(keys) != dims.num_layers or any(got != want for got, want in fixed):
         raise ArtifactError(f"{manifest}: model.dims ({dims.num_layers} layers, {dims.kv_heads} KV heads of "
                             f"{dims.head_dim}) does not match the graph ({len(keys)} layers, {heads} KV heads of "
                             f"{width}); rebuild with lade-export build")
@@ -160,10 +161,12 @@ class OrtEngine:
         device_memory: where a device-resident cache lives (a
             :class:`~lade_export.backends.cuda.CudaDevice`, or
             :class:`~lade_export.backends.cuda.HostMemory` on the CPU), None when off.
-        stacks_presents: whether steps on a stacked :class:`~lade_export.kv_cache.KVCache`
-            run bound to it and write their ``present.*`` into one block (CPU, an attention that
-            skips masked key blocks, no device-resident cache): a request's cache is then best
-            one block (``KVCache(stacked=True)``), its kept rows stored in one copy.
+        binds_steps: whether a step on a ``sequence-major``
+            :class:`~lade_export.kv_cache.KVCache`'s own views runs bound to its buffers
+            (:meth:`_run_bound`: CPU, an attention that skips masked key blocks, no
+            device-resident cache); a stacked cache's ``present.*`` are then one block, so a
+            request's cache is best one block too (``KVCache(stacked=True)``), its kept rows
+            stored in one copy.
 
     Raises:
         ArtifactError: the model file or the custom-op library is missing, or ORT cannot load them.
@@ -222,8 +225,9 @@ class OrtEngine:
         self._fast_outputs = [n for n in self._all_outputs if n != "logits"]
         meta = self.session.get_modelmeta().custom_metadata_map
         self.kv_layout = meta.get("kv_layout", "sequence-major")
-        check_graph_dims(self.session.get_inputs(), self.kv_layout, dims, path.parent / "manifest.json")
-        past_type = next((i.type for i in self.session.get_inputs() if i.name == past_key_name(0)), "tensor(float)")
+        inputs = self.session.get_inputs()
+        check_graph_dims(inputs, self.kv_layout, dims, path.parent / "manifest.json")
+        past_type = next((i.type for i in inputs if i.name == past_key_name(0)), "tensor(float)")
         self.kv_dtype = np.dtype(np.float16 if past_type == "tensor(float16)" else np.float32)
         self.step_room = int(meta["step_room"]) if "step_room" in meta else None
         skips = meta.get("attention_skips_masked", "0")
@@ -250,7 +254,7 @@ class OrtEngine:
                     raise BackendUnavailableError(f"device_kv needs cuda-bindings: {cuda_unavailable_reason()}")
             else:
                 self.device_memory = HostMemory()
-        self.stacks_presents = bool(self.attention_skips) and self.device_memory is None and provider == "cpu" \
+        self.binds_steps = bool(self.attention_skips) and self.device_memory is None and provider == "cpu" \
             and self.kv_layout == "sequence-major"
         self._past_names = [n for i in range(dims.num_layers) for n in (past_key_name(i), past_value_name(i))]
         self._past_set = set(self._past_names)
@@ -306,7 +310,7 @@ class OrtEngine:
                     and all(getattr(feeds[n], "base", None) is (cache.keys if n.endswith(".key") else cache.values)[
                         int(n.split(".")[1])] for n in self._past_names):
                 return self._run_device(feeds, with_logits, cache)
-        if self.attention_skips and self.device_memory is None and self._provider == "cpu":
+        if self.binds_steps:
             owned = cache_of_feeds(feeds)
             if owned is not None and owned[0].dtype == self.kv_dtype and self._bindable(feeds):
                 cache, length = owned

@@ -11,7 +11,7 @@ from click.core import ParameterSource
 
 from ..backends import DTYPES
 from ..errors import ArtifactError, GenerationError
-from .common import _artifact_dir, _backend, _device, _engine_threads, _sampling, main
+from .common import _artifact_dir, _backend, _device, _engine_threads, _output_failed, _sampling, main
 
 
 #: Bytes a prompt file may hold per token of the model's context: a file longer than context ×
@@ -38,18 +38,19 @@ def _read_prompt(prompt, prompt_file, prompt_from=None, chat=False, context: int
     if prompt_file is not None:
         import codecs
 
-        limit = -1 if context is None else PROMPT_BYTES_PER_TOKEN * context
+        limit = None if context is None else PROMPT_BYTES_PER_TOKEN * context
+        size = -1 if limit is None else limit + 1  # one byte more than may fit: a longer file is seen as such
         try:
             if str(prompt_file) == "-":
-                data = sys.stdin.buffer.read(limit + 1 if limit >= 0 else -1)
+                data = sys.stdin.buffer.read(size)
             else:
                 with open(prompt_file, "rb") as fh:
-                    data = fh.read(limit + 1 if limit >= 0 else -1)
+                    data = fh.read(size)
         except FileNotFoundError:
             raise GenerationError(f"prompt file not found: {prompt_file}") from None
         except (IsADirectoryError, PermissionError) as err:
             raise GenerationError(f"cannot read prompt file {prompt_file}: {err.strerror}") from None
-        if 0 <= limit < len(data):
+        if limit is not None and len(data) > limit:
             where = "standard input" if str(prompt_file) == "-" else f"prompt file {prompt_file}"
             raise GenerationError(f"{where} holds more than {limit:,} bytes, more than the model's context of "
                                   f"{context:,} tokens can hold")
@@ -132,12 +133,9 @@ def generate(artifact_dir, prompt, prompt_file, prompt_from, chat, max_new_token
             last = chunk.text[-1:] or last
         sys.stdout.write("\n")
         sys.stdout.flush()
-    except BrokenPipeError:  # the reader closed stdout (e.g. | head): stop quietly, as SIGPIPE would
+    except BrokenPipeError as err:  # the reader closed stdout (e.g. | head): stop quietly, as SIGPIPE would
         stream.close()
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
-        sys.exit(141)
+        _output_failed(err)
     except KeyboardInterrupt:
         stream.close()
         if last != "\n":  # the error line on stderr starts on its own line, not after the text

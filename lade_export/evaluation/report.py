@@ -128,9 +128,10 @@ def write_outputs(out: Path, records: list, rows: list[dict], meta: dict) -> boo
     Returns:
         whether speedup.png was written (it needs matplotlib, the ``bench`` extra).
     """
-    import os
     import tempfile
     from importlib.util import find_spec
+
+    from ..artifact import stage_text
 
     out.mkdir(parents=True, exist_ok=True)
     buf = io.StringIO()
@@ -144,19 +145,14 @@ def write_outputs(out: Path, records: list, rows: list[dict], meta: dict) -> boo
     staged = []  # (temporary path, final path)
     try:
         for name, text in texts.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-            staged.append((tmp, out / name))
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
+            staged.append((stage_text(out / name, text), out / name))
         if plotted:
             fd, tmp = tempfile.mkstemp(prefix=".speedup.", suffix=".png", dir=out)  # the suffix picks the format
             os.close(fd)
             staged.append((tmp, out / "speedup.png"))
             plot_summary(rows, Path(tmp))
-        for tmp, final in staged:
             os.chmod(tmp, 0o644)
+        for tmp, final in staged:
             os.replace(tmp, final)
         staged = []
     finally:
